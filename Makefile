@@ -1,0 +1,46 @@
+# ntx — two commands on a fresh Debian/Ubuntu machine: `make run` and `make test`.
+PYTHON      ?= python3
+VENV        := .venv
+BIN         := $(VENV)/bin
+CACHE       ?= $(HOME)/.cache/ntx
+WHEELS      := $(CACHE)/wheels
+PIP         := $(BIN)/python -m pip --disable-pip-version-check
+PROMPT      ?= Explain in two sentences why the sky is blue.
+LLAMA_CPP   := 0.3.36
+
+.PHONY: run test venv venv-test llama-wheel fixtures clean
+
+run: $(BIN)/ntx-run .venv/.demo
+	$(BIN)/ntx-run "$(PROMPT)" --max-tokens 64
+
+test: .venv/.test fixtures
+	$(BIN)/python -m pytest
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip wheel setuptools cffi
+
+$(BIN)/ntx-run: $(BIN)/python pyproject.toml
+	$(PIP) install -q -e .
+	touch $@
+
+.venv/.demo: $(BIN)/ntx-run
+	$(PIP) install -q -e '.[demo]'
+	touch $@
+
+# llama-cpp-python builds from source (10-20 min on 2 cores): build the wheel once, keep it in the cache.
+llama-wheel:
+	@mkdir -p $(WHEELS)
+	@ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl >/dev/null 2>&1 || { \
+	  echo "building llama-cpp-python $(LLAMA_CPP) from source (once; cached in $(WHEELS))"; \
+	  CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF" $(PIP) wheel --no-deps -w $(WHEELS) llama-cpp-python==$(LLAMA_CPP); }
+
+.venv/.test: $(BIN)/ntx-run llama-wheel pyproject.toml
+	$(PIP) install -q --find-links $(WHEELS) -e '.[test,demo]'
+	touch $@
+
+fixtures: .venv/.test
+	$(BIN)/python scripts/build_fixtures.py --cache $(CACHE)/fixtures
+
+clean:
+	rm -rf $(VENV) build *.egg-info

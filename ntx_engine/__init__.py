@@ -1,0 +1,1 @@
+"""ntx engine: GGUF reader, quant formats, reference and CUDA backends, tokenizer, sampler, CLI."""
