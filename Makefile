@@ -8,12 +8,12 @@ PIP         := $(BIN)/python -m pip --disable-pip-version-check
 PROMPT      ?= Explain in two sentences why the sky is blue.
 LLAMA_CPP   := 0.3.36
 
-.PHONY: run test venv venv-test llama-wheel fixtures clean
+.PHONY: run test venv venv-test llama-wheel fixtures vm-assets clean
 
 run: $(BIN)/ntx-run .venv/.demo
 	$(BIN)/ntx-run "$(PROMPT)" --max-tokens 64
 
-test: .venv/.test fixtures
+test: .venv/.test fixtures vm-assets
 	$(BIN)/python -m pytest
 
 $(BIN)/python:
@@ -41,6 +41,11 @@ llama-wheel:
 
 fixtures: .venv/.test
 	$(BIN)/python scripts/build_fixtures.py --cache $(CACHE)/fixtures
+
+# QEMU, guest kernel, initramfs and no-IOMMU vfio.ko for tests/vm (cached in NTX_VM_CACHE or ~/.cache/ntx/vm).
+vm-assets:
+	scripts/vm/install_host.sh
+	scripts/vm/build_assets.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info
