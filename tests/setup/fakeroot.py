@@ -219,6 +219,7 @@ class FakeKernel:
         self.commands: list[list[str]] = []
         self.handlers: dict[str, object] = {}   # argv[0] -> callable(argv) -> (rc, output)
         self.before_write = None                 # optional hook(path, text) for fault injection
+        self.rewrite = None                      # optional (path, text) -> text the kernel stores instead
 
     def _rel(self, path: Path) -> str:
         return "/" + os.path.relpath(os.path.realpath(path), os.path.realpath(self.fr.base))
@@ -246,7 +247,7 @@ class FakeKernel:
             return
         if not Path(path).exists():
             raise OSError(2, "No such file or directory")
-        self.fr.write(rel, text)
+        self.fr.write(rel, self.rewrite(rel, text) if self.rewrite else text)
 
     def _unbind(self, bdf: str) -> None:
         drv = self.fr.unbind_driver(bdf)
