@@ -1,0 +1,120 @@
+"""The transformer (llama / qwen2 families), written once against the backend op interface."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ntx_common.errors import ModelError
+from ntx_engine.backends.base import Backend
+from ntx_engine.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: Any  # (n_embd,)
+    wq: Any  # (n_head*head_dim, n_embd)
+    wk: Any  # (n_head_kv*head_dim, n_embd)
+    wv: Any  # (n_head_kv*head_dim, n_embd)
+    wo: Any  # (n_embd, n_head*head_dim)
+    ffn_norm: Any  # (n_embd,)
+    w_gate: Any  # (n_ff, n_embd)
+    w_up: Any  # (n_ff, n_embd)
+    w_down: Any  # (n_embd, n_ff)
+    bq: Any = None  # (n_head*head_dim,) qwen2 only
+    bk: Any = None  # (n_head_kv*head_dim,)
+    bv: Any = None  # (n_head_kv*head_dim,)
+
+
+@dataclass
+class ModelWeights:
+    tok_embd: Any  # (vocab, n_embd)
+    output_norm: Any  # (n_embd,)
+    output: Any  # (vocab, n_embd); the embedding table itself when tied
+    layers: list[LayerWeights]
+    rope_freqs: np.ndarray | None  # (rope_dim/2,) llama3 frequency factors
+
+
+class WeightLoader:
+    """Reads tensors by name from a GGUF file, checks their shapes, hands them to the backend."""
+
+    def __init__(self, gf: Any, cfg: ModelConfig, backend: Backend) -> None:
+        self.gf, self.cfg, self.backend = gf, cfg, backend
+
+    def matrix(self, name: str, rows: int, cols: int) -> Any:
+        info = self._info(name, (rows, cols))
+        return self.backend.matrix(self.gf.tensor_data(name), info.ggml_type, (rows, cols), name)
+
+    def vector(self, name: str, n: int, *, optional: bool = False) -> Any:
+        if optional and name not in self.gf.tensors:
+            return None
+        info = self._info(name, (n,))
+        return self.backend.vector(self.gf.tensor_data(name), info.ggml_type, n, name)
+
+    def _info(self, name: str, shape: tuple[int, ...]) -> Any:
+        info = self.gf.tensors.get(name)
+        if info is None:
+            raise ModelError(f"{self.gf.path}: tensor {name!r} is missing; the file is not a complete {self.cfg.arch} model")
+        if tuple(info.shape) != shape:
+            raise ModelError(f"{self.gf.path}: tensor {name!r} has shape {tuple(info.shape)}, expected {shape}")
+        return info
+
+    def layer(self, i: int) -> LayerWeights:
+        c, p = self.cfg, f"blk.{i}."
+        return LayerWeights(
+            attn_norm=self.vector(p + "attn_norm.weight", c.n_embd),
+            wq=self.matrix(p + "attn_q.weight", c.q_dim, c.n_embd),
+            wk=self.matrix(p + "attn_k.weight", c.kv_dim, c.n_embd),
+            wv=self.matrix(p + "attn_v.weight", c.kv_dim, c.n_embd),
+            wo=self.matrix(p + "attn_output.weight", c.n_embd, c.q_dim),
+            ffn_norm=self.vector(p + "ffn_norm.weight", c.n_embd),
+            w_gate=self.matrix(p + "ffn_gate.weight", c.n_ff, c.n_embd),
+            w_up=self.matrix(p + "ffn_up.weight", c.n_ff, c.n_embd),
+            w_down=self.matrix(p + "ffn_down.weight", c.n_embd, c.n_ff),
+            bq=self.vector(p + "attn_q.bias", c.q_dim, optional=True),
+            bk=self.vector(p + "attn_k.bias", c.kv_dim, optional=True),
+            bv=self.vector(p + "attn_v.bias", c.kv_dim, optional=True),
+        )
+
+    def load(self, progress: Callable[[int, int], None] | None = None) -> ModelWeights:
+        c = self.cfg
+        tok_embd = self.matrix("token_embd.weight", c.vocab_size, c.n_embd)
+        output = tok_embd if c.tied_embeddings else self.matrix("output.weight", c.vocab_size, c.n_embd)
+        layers = []
+        for i in range(c.n_layers):
+            layers.append(self.layer(i))
+            if progress:
+                progress(i + 1, c.n_layers)
+        freqs = None
+        if c.has_rope_freqs:
+            freqs = self.backend.to_numpy(self.vector("rope_freqs.weight", c.rope_dim // 2))
+        return ModelWeights(tok_embd, self.vector("output_norm.weight", c.n_embd), output, layers, freqs)
+
+
+class Transformer:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, backend: Backend, n_ctx: int) -> None:
+        self.cfg, self.w, self.backend, self.n_ctx = cfg, weights, backend, n_ctx
+        backend.set_model(cfg, n_ctx, weights.rope_freqs)
+
+    def forward(self, ids: np.ndarray, start: int, all_logits: bool = False) -> np.ndarray:
+        """Run tokens `ids` at positions start.. ; returns logits (n or 1, vocab) as numpy float32."""
+        c, b = self.cfg, self.backend
+        if start + len(ids) > self.n_ctx:
+            raise ModelError(f"context length exceeded: {start + len(ids)} tokens > n_ctx {self.n_ctx}")
+        pos = np.arange(start, start + len(ids))
+        x = b.embed(self.w.tok_embd, np.asarray(ids))
+        for i, lw in enumerate(self.w.layers):
+            h = b.rmsnorm(x, lw.attn_norm, c.rms_eps)
+            q, k, v = b.matmul(lw.wq, h), b.matmul(lw.wk, h), b.matmul(lw.wv, h)
+            if lw.bq is not None:
+                q, k, v = b.add(q, lw.bq), b.add(k, lw.bk), b.add(v, lw.bv)
+            q, k = b.rope(q, pos, c.n_head), b.rope(k, pos, c.n_head_kv)
+            x = b.add(x, b.matmul(lw.wo, b.attention(q, k, v, i, start)))
+            h = b.rmsnorm(x, lw.ffn_norm, c.rms_eps)
+            x = b.add(x, b.matmul(lw.w_down, b.swiglu(b.matmul(lw.w_gate, h), b.matmul(lw.w_up, h))))
+        if not all_logits:
+            x = x[-1:]
+        x = b.rmsnorm(x, self.w.output_norm, c.rms_eps)
+        return b.to_numpy(b.matmul(self.w.output, x))
