@@ -92,6 +92,9 @@ def edit_params(params: list[str], add: list[str], remove: list[str]) -> list[st
 
 def edit_text(text: str, add: list[str], remove: list[str]) -> str:
     """The file with `add` in GRUB_CMDLINE_LINUX_DEFAULT and `remove` (and add's old values) gone from both."""
+    keys = [_key(a) for a in add]
+    if len(set(keys)) != len(keys) or any(r == a or r == _key(a) for r in remove for a in add):
+        raise UsageError(f"contradictory parameters: add {' '.join(add)} / remove {' '.join(remove)}")
     lines = text.splitlines(True)
     found = assignments(text)
     conflicts = [_key(a) for a in add if "=" in a]

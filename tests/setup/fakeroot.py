@@ -47,7 +47,8 @@ class FakeRoot:
         self.write("/proc/sys/kernel/osrelease", "6.12.9-amd64")
         self.write("/proc/cpuinfo", "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Fake CPU\n")
         self.write("/proc/meminfo", "MemTotal:       32768000 kB\nMemFree:        20000000 kB\n"
-                   "MemAvailable:   24000000 kB\nBuffers: 0 kB\nCached: 0 kB\nSwapTotal: 0 kB\nSwapFree: 0 kB\n")
+                   "MemAvailable:   24000000 kB\nBuffers: 0 kB\nCached: 0 kB\nSwapTotal: 0 kB\nSwapFree: 0 kB\n"
+                   "Active: 0 kB\nInactive: 0 kB\nShmem: 0 kB\nSlab: 0 kB\nSReclaimable: 0 kB\n")
         self.write("/proc/self/limits", "Limit  Soft Limit Hard Limit Units\n"
                    "Max locked memory         8388608              8388608              bytes\n")
         self.write("/proc/self/status", "Name:\tntx-setup\nCapEff:\t000001ffffffffff\n")
@@ -135,7 +136,7 @@ class FakeRoot:
     def attach_namespaces(self, bdf: str) -> None:
         spec = self.nvme[bdf]
         c = f"{PCI_ROOT}/{bdf}/nvme/{spec['ctrl']}"
-        for attr, val in (("model", "QEMU NVMe Ctrl"), ("serial", f"ntx{bdf[-4:].replace(':', '')}"),
+        for attr, val in (("model", "QEMU NVMe Ctrl"), ("serial", f"FAKE-{spec['ctrl']}"),
                           ("firmware_rev", "8.0.0"), ("dev", "240:0")):
             self.write(f"{c}/{attr}", val)
         self.link(f"{c}/device", f"{PCI_ROOT}/{bdf}")
