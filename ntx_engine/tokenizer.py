@@ -96,15 +96,9 @@ _ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>") 
 
 def _byte_level_alphabet() -> list[str]:
     """GPT-2's reversible byte -> printable character map (bytes that print stay themselves)."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    moved = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(moved)) for b in range(256)]
 
 
 _BYTE_CHARS = _byte_level_alphabet()
@@ -465,30 +459,29 @@ def _unbyte(text: str) -> bytes:
     return bytes(out)
 
 
-
 def _int_array(md: Mapping[str, Any], key: str, n: int, default: int) -> np.ndarray:
-    if key not in md:
-        return np.full(n, default, dtype=np.int32)
-    arr = np.asarray(_as_list(md[key]), dtype=np.int64)
-    if arr.shape != (n,):
-        raise TokenizerError(f"{key} has {arr.size} entries for {n} tokens: the GGUF vocabulary is inconsistent")
+    arr = _array(md, key, n, np.int64, default)
     arr[(arr < 0) | (arr > TokenType.BYTE)] = TokenType.UNDEFINED
     return arr.astype(np.int32)
 
 
 def _float_array(md: Mapping[str, Any], key: str, n: int) -> np.ndarray:
+    return _array(md, key, n, np.float32, 0.0)
+
+
+def _array(md: Mapping[str, Any], key: str, n: int, dtype, default) -> np.ndarray:
+    """A per-token array; llama.cpp accepts longer ones and ignores the tail."""
     if key not in md:
-        return np.zeros(n, dtype=np.float32)
-    arr = np.asarray(_as_list(md[key]), dtype=np.float32)
-    if arr.shape[0] < n:
-        raise TokenizerError(f"{key} has {arr.shape[0]} entries for {n} tokens: the GGUF vocabulary is inconsistent")
-    return arr[:n]
+        return np.full(n, default, dtype=dtype)
+    arr = np.asarray(_as_list(md[key]), dtype=dtype)
+    if arr.ndim != 1 or arr.size < n:
+        raise TokenizerError(f"{key} has {arr.size} entries for {n} tokens: the GGUF vocabulary is inconsistent")
+    return arr[:n].copy()
 
 
 def _duplicate_message(texts: list[str]) -> str:
     seen: dict[str, int] = {}
     for i, t in enumerate(texts):
-        if t in seen:
+        if seen.setdefault(t, i) != i:
             return f"duplicate token in vocabulary: {t!r} has ids {seen[t]} and {i}; the GGUF is corrupt"
-        seen[t] = i
     return "duplicate token in vocabulary"
