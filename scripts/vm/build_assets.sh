@@ -71,6 +71,7 @@ trim_modules() {
   done
   # builtin lists let modprobe answer "built in" instead of "not found" for e.g. intel-iommu
   cp "$full/lib/modules/$KVER"/modules.builtin* "$small/lib/modules/$KVER/"
+  (cd "$small/lib/modules/$KVER" && find kernel -name '*.ko' | LC_ALL=C sort > modules.order)
   depmod -b "$small" "$KVER"
 }
 
@@ -122,8 +123,12 @@ step_noiommu() {
 }
 
 step_initramfs() {
-  local sha; sha=$(sha256sum "$HERE/init" | cut -d' ' -f1)
-  grep -qx "init_sha256=$sha" "$D/initramfs.info" 2>/dev/null && [ -f "$D/initramfs.cpio.gz" ] && return 0
+  local sha inputs
+  sha=$(sha256sum "$HERE/init" | cut -d' ' -f1)
+  inputs=$( (cd "$D" && find kmod vfio-noiommu.ko -type f | LC_ALL=C sort | xargs sha256sum; \
+             sha256sum "$(command -v busybox)") | sha256sum | cut -d' ' -f1)
+  [ -f "$D/initramfs.cpio.gz" ] && grep -qx "init_sha256=$sha" "$D/initramfs.info" 2>/dev/null \
+    && grep -qx "inputs_sha256=$inputs" "$D/initramfs.info" && return 0
   log "initramfs: busybox + init + $(find "$D/kmod" -name '*.ko' | wc -l) modules"
   local bb; bb=$(command -v busybox) || die "busybox missing: run scripts/vm/install_host.sh"
   local t r; t=$(mktemp -d "$D/tmp.initramfs.XXXXXX"); r=$t/root
@@ -138,7 +143,7 @@ step_initramfs() {
   install -m 0755 "$HERE/init" "$r/init"
   (cd "$r" && find . | LC_ALL=C sort | cpio -o -H newc --quiet | gzip -1) > "$t/initramfs.cpio.gz"
   mv "$t/initramfs.cpio.gz" "$D/initramfs.cpio.gz"
-  printf 'init_sha256=%s\nkver=%s\n' "$sha" "$KVER" > "$D/initramfs.info"
+  printf 'init_sha256=%s\ninputs_sha256=%s\nkver=%s\n' "$sha" "$inputs" "$KVER" > "$D/initramfs.info"
   rm -rf "$t"
 }
 
@@ -151,4 +156,8 @@ step_kernel
 step_noiommu
 step_initramfs
 echo "$KVER" > "$CACHE/current.tmp" && mv "$CACHE/current.tmp" "$CACHE/current"
+# Assets of kernels apt no longer points to (about 70 MB each).
+for old in "$CACHE"/*/initramfs.info; do
+  [ -e "$old" ] && [ "${old%/initramfs.info}" != "$D" ] && rm -rf "${old%/initramfs.info}"
+done
 log "ready: $D ($(du -sh "$D" | cut -f1))"

@@ -122,14 +122,14 @@ def run_guest(command: str, *, disk: Path, mode: str = "iommu", bind_vfio: bool 
               out_dir: Path | None = None) -> GuestResult:
     """Boot a guest, run `command` (sh) as root in the repo root, power off, return the result.
 
-    out_dir: the host dir shared as $NTX_VM_OUT; a fresh temp dir (the caller's to remove) when
-    None. Raises VmUnavailable (assets missing), TimeoutError (guest still up after `timeout`
+    out_dir: the host dir shared as $NTX_VM_OUT; when None, a fresh temp dir that lives until
+    this process exits. Raises VmUnavailable (assets missing), TimeoutError (guest still up after `timeout`
     s; QEMU is killed) and GuestError (the command could not be started).
     """
     disk = _check_args(mode, bind_vfio, Path(disk), mem_mb, timeout, env or {})
     kdir = ensure_assets(noiommu=mode == "noiommu")
     compile_python()
-    out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="ntx-vm-out-"))
+    out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(dir=_out_root().name))
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ntx-vm-") as tmp:
@@ -140,6 +140,12 @@ def run_guest(command: str, *, disk: Path, mode: str = "iommu", bind_vfio: bool 
         argv = _qemu_argv(kdir, disk, job, out, console, mode, bind_vfio, mem_mb)
         wall, qemu_log = _boot(argv, console, job, timeout)
         return _collect(job, console, qemu_log, wall, out)
+
+
+@functools.cache
+def _out_root() -> tempfile.TemporaryDirectory:
+    """Parent of the default out dirs; the cache holds it, its finalizer removes it at exit."""
+    return tempfile.TemporaryDirectory(prefix="ntx-vm-out-")
 
 
 def _check_args(mode: str, bind_vfio: bool, disk: Path, mem_mb: int, timeout: float,

@@ -46,7 +46,7 @@ def test_noiommu_mode_exposes_the_noiommu_group(nvme_disk: Path, vm_noiommu_asse
     assert facts["vfio_is_chardev"] == "yes"
 
 
-def test_unbound_nvme_reads_the_backing_file_and_vfio_pci_can_be_modprobed(tmp_path: Path) -> None:
+def test_unbound_nvme_reads_and_writes_the_backing_file_and_vfio_pci_can_be_modprobed(tmp_path: Path) -> None:
     disk = make_disk(tmp_path / "nvme.img", 16)
     head = os.urandom(1 << 20)
     with open(disk, "r+b") as f:
@@ -56,6 +56,8 @@ d=/sys/bus/pci/devices/$NTX_VM_BDF
 echo before=$(basename "$(readlink $d/driver)")
 echo serial=$(cat /sys/class/nvme/nvme0/serial)
 dd if=/dev/nvme0n1 of="$NTX_VM_OUT/head.bin" bs=1M count=1 iflag=direct 2>/dev/null
+# buffered write, no fsync: reaching the host file relies on the init's sync before poweroff
+dd if="$NTX_VM_OUT/head.bin" of=/dev/nvme0n1 bs=1M seek=2 count=1 2>/dev/null
 modprobe vfio-pci && test -d /sys/bus/pci/drivers/vfio-pci && echo modprobe=ok
 echo vfio_env=${NTX_VM_VFIO-unset}
 """
@@ -66,6 +68,9 @@ echo vfio_env=${NTX_VM_VFIO-unset}
     assert facts["modprobe"] == "ok"
     assert facts["vfio_env"] == "unset"
     assert (result.out_dir / "head.bin").read_bytes() == head
+    with open(disk, "rb") as f:
+        f.seek(2 << 20)
+        assert f.read(1 << 20) == head
 
 
 def test_command_runs_in_the_repo_with_env_and_writes_to_the_out_dir(nvme_disk: Path, tmp_path: Path) -> None:
