@@ -6,9 +6,12 @@ bytes (float d and s), ggml has stored both as fp16 (36 bytes) for a long time.
 """
 from __future__ import annotations
 
+import math
 from enum import IntEnum
 
-from ntx_common.errors import GGUFError
+import numpy as np
+
+from ntx_common.errors import GGUFError, UnsupportedQuantError
 
 QK_K = 256  # elements per K-quant super-block
 
@@ -113,3 +116,412 @@ def tensor_nbytes(ggml_type: GGMLType | int, n_elements: int) -> int:
             f"{n_elements} elements is not a whole number of {t.name} blocks of {block}"
         )
     return n_elements // block * size
+
+
+# ---------------------------------------------------------------------------------------------
+# Codecs: one class per supported type. Element order within a block and the order of float
+# operations follow ggml's dequantize_row_* so results are bit-identical to ggml and gguf-py.
+
+_REGISTRY: dict[GGMLType, type[QuantType]] = {}
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """(nblocks, 2) uint8 little-endian fp16 -> (nblocks, 1) float32."""
+    return np.ascontiguousarray(raw).view("<f2").astype(np.float32)
+
+
+def _high_bits(bits: np.ndarray, n: int) -> np.ndarray:
+    """Bit (e // 32) of bits[e % 32], for e in range(n): the Q3_K/Q5_K high-bit layout."""
+    shifts = np.arange(n // 32, dtype=np.uint8).reshape(1, -1, 1)
+    return ((bits[:, None, :] >> shifts) & 1).reshape(len(bits), n)
+
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """Split groups of `width` bytes into their low then high nibbles: the 4-bit layout."""
+    nb = len(qs)
+    q = qs.reshape(nb, -1, 1, width) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return (q & 0x0F).reshape(nb, -1)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: 8 six-bit scales and 8 six-bit mins packed into 12 bytes."""
+    lo, mid, hi = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = np.concatenate([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], axis=1)
+    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+class QuantType:
+    """One GGML block format. Subclasses register themselves by `ggml_type`."""
+
+    ggml_type: GGMLType
+    block_size: int
+    type_size: int
+    vec_dot_type: GGMLType
+    has_block_min = False  # Q4_1/Q5_1: value = d*q + m, with the Q8_1 `s` term in llama.cpp
+    is_weight_format = True  # False for Q8_1/Q8_K: ggml only uses them for activations
+
+    def __init_subclass__(cls, *, ggml_type: GGMLType, vec_dot_type: GGMLType, **kw):
+        super().__init_subclass__(**kw)
+        cls.ggml_type, cls.vec_dot_type = ggml_type, vec_dot_type
+        cls.block_size, cls.type_size = GGML_BLOCK_SIZES[ggml_type]
+        _REGISTRY[ggml_type] = cls
+
+    @classmethod
+    def dequantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
+        """(nblocks, type_size) uint8 -> (nblocks * block_size,) float32."""
+        scaled, offsets = cls.dequantize_parts(blocks)
+        if offsets is None:
+            return scaled.reshape(-1)
+        nb, groups = offsets.shape
+        return (scaled.reshape(nb, groups, -1) + offsets[:, :, None]).reshape(-1)
+
+    @classmethod
+    def dequantize_parts(cls, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """The two terms of each value: (nblocks, block_size) scaled quants d*q, and for types
+        with a min (nblocks, groups) offsets added to each equal group (Q4_1/Q5_1: +m per block;
+        Q2_K/Q4_K/Q5_K: -dmin*m per sub-block), else None. value = scaled + offset."""
+        raise NotImplementedError
+
+
+class F32(QuantType, ggml_type=GGMLType.F32, vec_dot_type=GGMLType.F32):
+    @classmethod
+    def dequantize_parts(cls, blocks):
+        return np.ascontiguousarray(blocks).view("<f4").astype(np.float32), None
+
+
+class F16(QuantType, ggml_type=GGMLType.F16, vec_dot_type=GGMLType.F16):
+    @classmethod
+    def dequantize_parts(cls, blocks):
+        return _f16(blocks), None
+
+
+class BF16(QuantType, ggml_type=GGMLType.BF16, vec_dot_type=GGMLType.BF16):
+    @classmethod
+    def dequantize_parts(cls, blocks):
+        bits = np.ascontiguousarray(blocks).view("<u2").astype(np.uint32) << 16
+        return bits.view(np.float32), None
+
+
+class Q4_0(QuantType, ggml_type=GGMLType.Q4_0, vec_dot_type=GGMLType.Q8_0):
+    @classmethod
+    def dequantize_parts(cls, blocks):
+        q = _nibbles(blocks[:, 2:], 16).astype(np.int8) - np.int8(8)
+        return _f16(blocks[:, :2]) * q.astype(np.float32), None
+
+
+class Q4_1(QuantType, ggml_type=GGMLType.Q4_1, vec_dot_type=GGMLType.Q8_1):
+    has_block_min = True
+
+    @classmethod
+    def dequantize_parts(cls, blocks):
+        q = _nibbles(blocks[:, 4:], 16).astype(np.float32)
+        return _f16(blocks[:, :2]) * q, _f16(blocks[:, 2:4])
+
+
+class Q5_0(QuantType, ggml_type=GGMLType.Q5_0, vec_dot_type=GGMLType.Q8_0):
+    @classmethod
+    def dequantize_parts(cls, blocks):
+        q = _nibbles(blocks[:, 6:], 16) | (np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little") << 4)
+        return _f16(blocks[:, :2]) * (q.astype(np.int8) - np.int8(16)).astype(np.float32), None
+
+
+class Q5_1(QuantType, ggml_type=GGMLType.Q5_1, vec_dot_type=GGMLType.Q8_1):
+    has_block_min = True
+
+    @classmethod
+    def dequantize_parts(cls, blocks):
+        q = _nibbles(blocks[:, 8:], 16) | (np.unpackbits(blocks[:, 4:8], axis=1, bitorder="little") << 4)
+        return _f16(blocks[:, :2]) * q.astype(np.float32), _f16(blocks[:, 2:4])
+
+
+class Q8_0(QuantType, ggml_type=GGMLType.Q8_0, vec_dot_type=GGMLType.Q8_0):
+    @classmethod
+    def dequantize_parts(cls, blocks):
+        q = np.ascontiguousarray(blocks[:, 2:]).view(np.int8).astype(np.float32)
+        return q * _f16(blocks[:, :2]), None
+
+
+class Q8_1(QuantType, ggml_type=GGMLType.Q8_1, vec_dot_type=GGMLType.Q8_1):
+    # activation-only format (d, s = d * sum(q), 32 x int8); never stored in model files
+    is_weight_format = False
+
+    @classmethod
+    def dequantize_parts(cls, blocks):
+        q = np.ascontiguousarray(blocks[:, 4:]).view(np.int8).astype(np.float32)
+        return q * _f16(blocks[:, :2]), None
+
+
+class Q2_K(QuantType, ggml_type=GGMLType.Q2_K, vec_dot_type=GGMLType.Q8_K):
+    # scales[16] (low nibble scale, high nibble min), qs[64] (2-bit), d, dmin
+    @classmethod
+    def dequantize_parts(cls, blocks):
+        nb, sc = len(blocks), blocks[:, :16]
+        q = blocks[:, 16:80].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        q = (q & 3).reshape(nb, 16, 16).astype(np.float32)
+        dl = (_f16(blocks[:, 80:82]) * (sc & 0x0F).astype(np.float32))[:, :, None]
+        ml = _f16(blocks[:, 82:84]) * (sc >> 4).astype(np.float32)
+        return (dl * q).reshape(nb, QK_K), -ml
+
+
+class Q3_K(QuantType, ggml_type=GGMLType.Q3_K, vec_dot_type=GGMLType.Q8_K):
+    # hmask[32], qs[64] (low 2 bits), scales[12] (16 x 6-bit, offset 32), d
+    @classmethod
+    def dequantize_parts(cls, blocks):
+        nb, sc = len(blocks), blocks[:, 96:108]
+        i = np.arange(16)
+        low = (sc[:, i % 8] >> (4 * (i // 8)).astype(np.uint8)) & 0x0F
+        high = (sc[:, 8 + i % 4] >> (2 * (i // 4)).astype(np.uint8)) & 3
+        scales = ((low | (high << 4)).astype(np.int8) - np.int8(32)).astype(np.float32)
+        dl = (_f16(blocks[:, 108:110]) * scales)[:, :, None]
+        q = blocks[:, 32:96].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        # a cleared hmask bit means "subtract 4"
+        q = (q & 3).reshape(nb, QK_K).astype(np.int8) - ((1 - _high_bits(blocks[:, :32], QK_K)) << 2).astype(np.int8)
+        return (dl * q.reshape(nb, 16, 16).astype(np.float32)).reshape(nb, QK_K), None
+
+
+class Q4_K(QuantType, ggml_type=GGMLType.Q4_K, vec_dot_type=GGMLType.Q8_K):
+    # d, dmin, scales[12] (8 x 6-bit scale + 8 x 6-bit min), qs[128]
+    @classmethod
+    def dequantize_parts(cls, blocks):
+        nb = len(blocks)
+        sc, mn = _k_scale_min(blocks[:, 4:16])
+        d1 = (_f16(blocks[:, 0:2]) * sc)[:, :, None]
+        q = _nibbles(blocks[:, 16:], 32).reshape(nb, 8, 32).astype(np.float32)
+        return (d1 * q).reshape(nb, QK_K), -(_f16(blocks[:, 2:4]) * mn)
+
+
+class Q5_K(QuantType, ggml_type=GGMLType.Q5_K, vec_dot_type=GGMLType.Q8_K):
+    # d, dmin, scales[12], qh[32] (5th bits), qs[128]
+    @classmethod
+    def dequantize_parts(cls, blocks):
+        nb = len(blocks)
+        sc, mn = _k_scale_min(blocks[:, 4:16])
+        d1 = (_f16(blocks[:, 0:2]) * sc)[:, :, None]
+        q = _nibbles(blocks[:, 48:], 32) | (_high_bits(blocks[:, 16:48], QK_K) << 4)
+        return (d1 * q.reshape(nb, 8, 32).astype(np.float32)).reshape(nb, QK_K), -(_f16(blocks[:, 2:4]) * mn)
+
+
+class Q6_K(QuantType, ggml_type=GGMLType.Q6_K, vec_dot_type=GGMLType.Q8_K):
+    # ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] int8, d
+    @classmethod
+    def dequantize_parts(cls, blocks):
+        nb = len(blocks)
+        low = _nibbles(blocks[:, :128], 64).reshape(nb, 2, 128)
+        qh = blocks[:, 128:192].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        q = (low | ((qh & 3).reshape(nb, 2, 128) << 4)).astype(np.int8) - np.int8(32)
+        scales = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+        d = (_f16(blocks[:, 208:210]) * scales)[:, :, None]
+        return (d * q.reshape(nb, 16, 16).astype(np.float32)).reshape(nb, QK_K), None
+
+
+class Q8_K(QuantType, ggml_type=GGMLType.Q8_K, vec_dot_type=GGMLType.Q8_K):
+    # activation-only format: f32 d, 256 x int8, 16 x int16 group sums
+    is_weight_format = False
+
+    @classmethod
+    def dequantize_parts(cls, blocks):
+        d = np.ascontiguousarray(blocks[:, :4]).view("<f4")
+        return np.ascontiguousarray(blocks[:, 4:260]).view(np.int8).astype(np.float32) * d, None
+
+
+def quant_type(ggml_type: GGMLType | int, tensor_name: str = "?") -> type[QuantType]:
+    """The codec for `ggml_type`, or UnsupportedQuantError naming the tensor and the type."""
+    t = ggml_type_of(int(ggml_type), tensor_name)
+    if t not in _REGISTRY:
+        known = ", ".join(k.name for k, v in _REGISTRY.items() if v.is_weight_format)
+        raise UnsupportedQuantError(
+            f"tensor {tensor_name!r} is {t.name}, which ntx cannot decode (supported: {known}); "
+            "re-quantize the model to one of those (e.g. Q4_K_M or Q8_0 with llama-quantize)"
+        )
+    return _REGISTRY[t]
+
+
+_CHUNK_BLOCKS = 1 << 14  # bounds the float32 temporaries of one dequantize step (~16 MB)
+
+
+def _as_blocks(raw: np.ndarray | memoryview, qt: type[QuantType], shape: tuple[int, ...],
+               name: str) -> np.ndarray:
+    data = np.frombuffer(raw, np.uint8) if not isinstance(raw, np.ndarray) else raw.reshape(-1)
+    data = data.view(np.uint8)
+    if not shape or shape[-1] % qt.block_size:
+        raise GGUFError(f"tensor {name!r}: rows of shape {shape} are not whole "
+                        f"{qt.ggml_type.name} blocks of {qt.block_size}")
+    expected = tensor_nbytes(qt.ggml_type, math.prod(shape))
+    if data.size != expected:
+        raise GGUFError(f"tensor {name!r}: {data.size} bytes for {qt.ggml_type.name} {shape}, "
+                        f"expected {expected}: the file is corrupt")
+    return data.reshape(-1, qt.type_size)
+
+
+def _dequantize_into(qt: type[QuantType], blocks: np.ndarray, out: np.ndarray,
+                     mins: np.ndarray | None = None) -> None:
+    """Fill out (nblocks * block_size,) with full values; with `mins` (nblocks,) given, a
+    has_block_min type leaves its per-block min out of `out` and writes it there instead."""
+    bs = qt.block_size
+    for i in range(0, len(blocks), _CHUNK_BLOCKS):
+        chunk = blocks[i:i + _CHUNK_BLOCKS]
+        if mins is not None:
+            scaled, m = qt.dequantize_parts(chunk)
+            mins[i:i + len(chunk)] = m[:, 0]
+            out[i * bs:(i + len(chunk)) * bs] = scaled.reshape(-1)
+        else:
+            out[i * bs:(i + len(chunk)) * bs] = qt.dequantize_blocks(chunk)
+
+
+def dequantize(raw: np.ndarray | memoryview, ggml_type: GGMLType | int, shape: tuple[int, ...],
+               name: str = "?") -> np.ndarray:
+    """Tensor bytes -> float32 array of numpy `shape` (last axis contiguous, whole blocks)."""
+    qt = quant_type(ggml_type, name)
+    blocks = _as_blocks(raw, qt, tuple(shape), name)
+    out = np.empty(math.prod(shape), np.float32)
+    _dequantize_into(qt, blocks, out)
+    return out.reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation quantization exactly as llama.cpp's CPU backend does it (x86 AVX2 build: ggml's
+# quantize_row_q8_0/q8_1 compute d = amax/127, multiply by 127/amax and round half to even;
+# Q8_K uses the reference quantize_row_q8_K_ref: iscale = -127/max, round half to even).
+
+def _q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(nb, 32) float32 -> float32 d (nb, 1) before fp16 rounding, q (nb, 32) as float32."""
+    amax = np.abs(x).max(axis=1, keepdims=True)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    return d, np.clip(np.rint(x * inv), -128, 127)
+
+
+def _q8_k_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(nb, 256) float32 -> f32 d (nb, 1), q (nb, 256) float32."""
+    signed_max = np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(signed_max != 0, np.float32(-127) / signed_max, np.float32(0))
+        iscale = iscale.astype(np.float32)
+        d = np.where(iscale != 0, np.float32(1) / iscale, np.float32(0)).astype(np.float32)
+    return d, np.minimum(np.rint(iscale * x), 127)
+
+
+def quantize_blocks(x: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
+    """Float32 activations (n, k) -> the (n * k / block, type_size) uint8 blocks ggml's CPU
+    `from_float` writes for Q8_0, Q8_1 or Q8_K (the oracle tests compare these bytes)."""
+    qt = quant_type(ggml_type)
+    x = np.ascontiguousarray(x, np.float32).reshape(-1, qt.block_size)
+    if ggml_type == GGMLType.Q8_K:
+        d, q = _q8_k_blocks(x)
+        sums = q.reshape(len(x), 16, 16).sum(axis=2).astype("<i2")
+        parts = [d.astype("<f4").view(np.uint8), q.astype(np.int8).view(np.uint8), sums.view(np.uint8)]
+    elif ggml_type in (GGMLType.Q8_0, GGMLType.Q8_1):
+        d, q = _q8_blocks(x)
+        parts = [d.astype("<f2").view(np.uint8)]
+        if ggml_type == GGMLType.Q8_1:
+            parts.append((d * q.sum(axis=1, keepdims=True)).astype("<f2").view(np.uint8))
+        parts.append(q.astype(np.int8).view(np.uint8))
+    else:
+        raise ValueError(f"{ggml_type.name} is not an activation block format")
+    return np.concatenate(parts, axis=1)
+
+
+def _round_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> nearest-even bfloat16, returned as float32 (ggml_compute_fp32_to_bf16)."""
+    u = x.view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    rounded = np.where(nan, (u >> 16).astype(np.uint32) | 64, rounded)  # keep NaNs quiet
+    return (rounded << 16).view(np.float32)
+
+
+def _quantize_with_sums(x: np.ndarray, vec_dot_type: GGMLType) -> tuple[np.ndarray, np.ndarray | None]:
+    """x_hat (n, k) and, for Q8_1, the fp16-rounded per-block s = d * sum(q) (n, k/32)."""
+    n, k = x.shape
+    if vec_dot_type == GGMLType.F32:
+        return x, None
+    if vec_dot_type == GGMLType.F16:
+        return x.astype(np.float16).astype(np.float32), None
+    if vec_dot_type == GGMLType.BF16:
+        return _round_bf16(x), None
+    if vec_dot_type in (GGMLType.Q8_0, GGMLType.Q8_1):
+        d, q = _q8_blocks(x.reshape(-1, 32))
+        d16 = d.astype(np.float16).astype(np.float32)
+        x_hat = (d16 * q).reshape(n, k)
+        if vec_dot_type == GGMLType.Q8_0:
+            return x_hat, None
+        s = (d * q.sum(axis=1, keepdims=True)).astype(np.float16).astype(np.float32)
+        return x_hat, s.reshape(n, k // 32)
+    if vec_dot_type == GGMLType.Q8_K:
+        d, q = _q8_k_blocks(x.reshape(-1, QK_K))
+        return (d * q).reshape(n, k), None
+    raise ValueError(f"{vec_dot_type.name} is not a vec_dot type")
+
+
+def quantize_activations(x: np.ndarray, vec_dot_type: GGMLType) -> np.ndarray:
+    """x (n, k) float32 -> the values llama.cpp's dot products see: Q8_0/Q8_1 fp16 d * int8 q
+    (exact in float32), Q8_K f32 d * int8 q (rounded to float32 once), F16/BF16 rounded to
+    that type, F32 unchanged. k must be a multiple of the block size."""
+    x = np.ascontiguousarray(x, np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"activations must be (n, k), got shape {x.shape}")
+    return _quantize_with_sums(x, GGMLType(vec_dot_type))[0]
+
+
+class MatmulWeight:
+    """A weight matrix (rows, k) prepared once for repeated matmuls on the CPU.
+
+    Holds the dequantized d*q values as float32 (rows, k); for Q4_1/Q5_1 the per-block mins are
+    kept apart (rows, k/32) because llama.cpp applies them through the fp16 `s` of Q8_1.
+    """
+
+    def __init__(self, ggml_type: GGMLType, shape: tuple[int, int], scaled: np.ndarray,
+                 mins: np.ndarray | None, name: str):
+        self.ggml_type, self.shape, self.name = ggml_type, shape, name
+        self.vec_dot_type = quant_type(ggml_type, name).vec_dot_type
+        self._w = scaled  # (rows, k) float32: d*q (the whole value unless mins)
+        self._mins = mins  # (rows, k / block) float32 or None
+
+    @classmethod
+    def from_raw(cls, raw: np.ndarray | memoryview, ggml_type: GGMLType | int,
+                 shape: tuple[int, int], name: str) -> MatmulWeight:
+        qt = quant_type(ggml_type, name)
+        if not qt.is_weight_format:
+            raise UnsupportedQuantError(f"tensor {name!r} is {qt.ggml_type.name}, an activation "
+                                        "format llama.cpp never multiplies as a weight")
+        rows, k = shape
+        blocks = _as_blocks(raw, qt, (rows, k), name)
+        scaled = np.empty((rows, k), np.float32)
+        mins = np.empty((rows, k // qt.block_size), np.float32) if qt.has_block_min else None
+        _dequantize_into(qt, blocks, scaled.reshape(-1), None if mins is None else mins.reshape(-1))
+        return cls(qt.ggml_type, (rows, k), scaled, mins, name)
+
+    def matmul(self, x: np.ndarray, mode: str = "ggml") -> np.ndarray:
+        """x (n, k) float32 -> x @ W.T (n, rows) float32.
+
+        mode "ggml": activations quantized to vec_dot_type as llama.cpp does (the default);
+        mode "exact": float32 activations as given."""
+        x = np.ascontiguousarray(x, np.float32)
+        if x.ndim != 2 or x.shape[1] != self.shape[1]:
+            raise ValueError(f"{self.name}: cannot multiply {x.shape} by weight {self.shape}")
+        if mode == "exact":
+            x_hat, block_terms = x, None
+            if self._mins is not None:
+                block_terms = x.reshape(len(x), -1, 32).sum(axis=2)
+        elif mode == "ggml":
+            x_hat, block_terms = _quantize_with_sums(x, self.vec_dot_type)
+        else:
+            raise ValueError(f"matmul mode must be 'ggml' or 'exact', not {mode!r}")
+        out = x_hat @ self._w.T
+        if self._mins is not None:
+            out += block_terms @ self._mins.T
+        return out
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Dequantized rows (len(ids), k) float32: the embedding lookup (ggml get_rows)."""
+        w = self._w[np.asarray(ids)]
+        if self._mins is None:
+            return w
+        return w + np.repeat(self._mins[np.asarray(ids)], 32, axis=-1)
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held by the prepared weight."""
+        return self._w.nbytes + (0 if self._mins is None else self._mins.nbytes)

@@ -60,11 +60,30 @@ def quant_variant_paths(smollm2_path) -> dict[str, Path]:
     return paths
 
 
+def _fingerprint(path: Path) -> tuple[int, bytes]:
+    # Variants re-quantized by the same llama.cpp from the same source are byte-identical:
+    # size plus both ends of the file is enough to check each distinct file once.
+    import hashlib
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(1 << 20)
+        f.seek(max(0, size - (1 << 20)))
+        tail = f.read()
+    return size, hashlib.blake2b(head + tail, digest_size=16).digest()
+
+
 @pytest.fixture(scope="session")
 def real_gguf_paths(smollm2_path, quant_variant_paths) -> list[Path]:
-    """Every real GGUF file available: the shipped model, our variants, the fixture script's."""
-    found = [smollm2_path, *quant_variant_paths.values()]
-    found += sorted(p for p in FIXTURES.rglob("*.gguf") if p not in found)
+    """Every distinct real GGUF file available: the shipped model first, then our variants and
+    whatever the fixture script (scripts/build_fixtures.py) left under the cache."""
+    candidates = [smollm2_path, *quant_variant_paths.values(), *sorted(FIXTURES.rglob("*.gguf"))]
+    seen, found = set(), []
+    for path in candidates:
+        key = _fingerprint(path)
+        if key not in seen:
+            seen.add(key)
+            found.append(path)
     return found
 
 
