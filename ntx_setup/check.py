@@ -33,7 +33,7 @@ class Findings(list):
 def collect(m: Machine) -> dict:
     f = Findings()
     devices, source = pci.list_devices(m.root)
-    facts = {"kernel": _kernel(m, f), "user": _user(m, f), "cpu": {"vendor": cpu_vendor(m.root)},
+    facts = {"kernel": _kernel(m, f), "user": _user(m, f), "cpu": _cpu(m, f),
              "iommu": _iommu(m, f), "vfio": _vfio(m, f), "hugepages": _hugepages(m, f),
              "memory": _memory(m, f), "gpus": _gpus(m, f, devices), "nvidia_driver": gpu.driver_info(m),
              "cuda": _cuda(m, f),
@@ -52,6 +52,22 @@ def _kernel(m: Machine, f: Findings) -> dict:
     note = " (no follow_pfn: registering an NVMe BAR with CUDA needs `ntx-setup dkms patch`)" if ver >= (6, 12) else ""
     f.add("ok", "kernel", f"Linux {rel}{note}")
     return {"release": rel, "version": list(ver)}
+
+
+def human(n: int | None) -> str:
+    if n is None:
+        return "?"
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.0f} MiB"
+
+
+def _cpu(m: Machine, f: Findings) -> dict:
+    vendor = cpu_vendor(m.root)
+    if vendor == "unknown":
+        f.add("warn", "cpu", "CPU vendor unknown: `grub enable-iommu` cannot pick intel_iommu/amd_iommu",
+              "add the parameters by hand: ntx-setup grub add intel_iommu=on iommu=pt (or amd_iommu=on)")
+    else:
+        f.add("ok", "cpu", f"{vendor.upper() if vendor == 'amd' else vendor.capitalize()} CPU")
+    return {"vendor": vendor}
 
 
 def _user(m: Machine, f: Findings) -> dict:
@@ -124,7 +140,7 @@ def _memory(m: Machine, f: Findings) -> dict:
     with block._psutil_procfs(m.root) as psutil:
         vm = psutil.virtual_memory()
     soft, hard = memlock_limit(m.root)
-    f.add("ok", "memory", f"RAM {vm.total / GiB:.1f} GiB, {vm.available / GiB:.1f} GiB available")
+    f.add("ok", "memory", f"RAM {human(vm.total)}, {human(vm.available)} available")
     ipc_lock = int(proc_status_field(m.root, "CapEff") or "0", 16) >> CAPS["CAP_IPC_LOCK"] & 1
     if soft is None or ipc_lock:
         f.add("ok", "memlock", "pinned memory is not limited (" + ("unlimited" if soft is None else "CAP_IPC_LOCK") + ")")
@@ -160,7 +176,7 @@ def _gpus(m: Machine, f: Findings, devices: list[pci.PciDevice]) -> list[dict]:
         link = g["link"]
         f.add("ok" if g["driver"] == "nvidia" else "fail", "gpu",
               f"{g['bdf']} {g['model'] or g['device_id']} (cc {g['compute_capability'] or '?'}, "
-              f"{(g['vram_bytes'] or 0) / GiB:.0f} GiB) driver {g['driver'] or 'none'}",
+              f"{human(g['vram_bytes'])}) driver {g['driver'] or 'none'}",
               "" if g["driver"] == "nvidia" else "install and load the NVIDIA driver")
         if link["degraded"]:
             f.add("warn", "gpu", f"{g['bdf']} link runs at {link['speed_gts']} GT/s x{link['width']}, below its "
@@ -214,8 +230,8 @@ def _nvme(m: Machine, dev: pci.PciDevice) -> dict:
 def _nvmes(m: Machine, f: Findings, devices: list[pci.PciDevice]) -> list[dict]:
     found = [_nvme(m, d) for d in devices if d.is_nvme]
     for n in found:
-        size = sum(ns["size_bytes"] or 0 for ns in n["namespaces"]) / GiB
-        what = f"NVMe {n['bdf']} {n['model'] or ''} {size:.0f} GiB driver {n['driver'] or 'none'}"
+        size = human(sum(ns["size_bytes"] or 0 for ns in n["namespaces"])) if n["namespaces"] else "size unknown"
+        what = f"NVMe {n['bdf']} {n['model'] or '(model unknown)'} {size}, driver {n['driver'] or 'none'}"
         if n["dedicated"]:
             f.add("ok", "nvme", f"{what}: dedicated (bound to vfio-pci)")
         elif not n["refusals"]:

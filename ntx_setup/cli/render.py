@@ -9,7 +9,9 @@ GiB = 1 << 30
 
 
 def _gib(n) -> str:
-    return "?" if n is None else f"{n / GiB:.1f} GiB"
+    from ntx_setup.check import human
+
+    return human(n)
 
 
 def render_check(report: dict) -> None:
