@@ -1,0 +1,103 @@
+"""Run-time compilation of `native/cuda/*.cu` to cubin with NVRTC, cached on disk.
+
+Cubin, not PTX: PTX from an NVRTC newer than the driver does not load (the lent H200's driver is
+CUDA 13.0), while cubin for the exact arch does. The cache key covers everything that changes
+the output: the source and every header it may include, the arch, NVRTC's version and options.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from ntx_common.errors import CudaError
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "native" / "cuda"
+SOURCES = ("matvec.cu", "ops.cu", "attention.cu")
+OPTIONS = ("-std=c++17", "-default-device", "-lineinfo")
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:
+        raise CudaError(f"cuda-python is not installed ({exc}); install ntx with the 'cuda' extra") from exc
+    return nvrtc
+
+
+def check_nvrtc(result, call: str, log: str = "") -> object:
+    """Unwrap an NVRTC `(err, *values)` result or raise CudaError naming the call (and the log)."""
+    nvrtc = _nvrtc()
+    err, *values = result
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        msg = nvrtc.nvrtcGetErrorString(err)[1].decode(errors="replace")
+        detail = f"\n--- NVRTC log ---\n{log}" if log else ""
+        raise CudaError(f"{call} failed: {msg}{detail}")
+    return values[0] if len(values) == 1 else tuple(values) or None
+
+
+def nvrtc_version() -> tuple[int, int]:
+    try:
+        return tuple(check_nvrtc(_nvrtc().nvrtcVersion(), "nvrtcVersion"))  # type: ignore[arg-type]
+    except RuntimeError as exc:  # cuda-pathfinder found no libnvrtc
+        raise CudaError(f"NVRTC library not found ({exc}); pip install nvidia-cuda-nvrtc") from exc
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("NTX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ntx")
+    return Path(root) / "cubin"
+
+
+def cache_key(source: str, arch: str, kernel_dir: Path = KERNEL_DIR) -> str:
+    h = hashlib.sha256()
+    for path in [kernel_dir / source, *sorted(kernel_dir.glob("*.cuh"))]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(f"{arch}|{nvrtc_version()}|{' '.join(OPTIONS)}".encode())
+    return h.hexdigest()[:24]
+
+
+def _program_log(nvrtc, prog) -> str:
+    size = check_nvrtc(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+    buf = b" " * size
+    check_nvrtc(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
+    return buf.rstrip(b"\0 ").decode(errors="replace")
+
+
+def compile_cubin(source: str, arch: str, kernel_dir: Path = KERNEL_DIR) -> tuple[bytes, str]:
+    """Compile `kernel_dir/source` for `arch` (e.g. "sm_90"); returns (cubin, compile log)."""
+    nvrtc = _nvrtc()
+    nvrtc_version()  # a clear error if the library is missing
+    path = kernel_dir / source
+    prog = check_nvrtc(nvrtc.nvrtcCreateProgram(path.read_bytes(), source.encode(), 0, [], []),
+                       f"nvrtcCreateProgram({source})")
+    try:
+        opts = [f"--gpu-architecture={arch}".encode(), f"--include-path={kernel_dir}".encode(),
+                *(o.encode() for o in OPTIONS)]
+        err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        log = _program_log(nvrtc, prog)
+        check_nvrtc((err,), f"nvrtcCompileProgram({source}, {arch})", log)
+        size = check_nvrtc(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        check_nvrtc(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return cubin, log
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def cached_cubin(source: str, arch: str, cache_dir: Path | None = None,
+                 kernel_dir: Path = KERNEL_DIR) -> bytes:
+    """The cubin of `source` for `arch`, compiled once and then read from the disk cache."""
+    cache = cache_dir or default_cache_dir()
+    target = cache / f"{Path(source).stem}-{arch}-{cache_key(source, arch, kernel_dir)}.cubin"
+    if target.exists():
+        return target.read_bytes()
+    cubin, _ = compile_cubin(source, arch, kernel_dir)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(cubin)
+        tmp.replace(target)  # atomic: concurrent processes never read half a file
+    except OSError:
+        pass  # an unwritable cache only costs a recompile next time
+    return cubin

@@ -1,0 +1,58 @@
+"""CUDA test plumbing: `gpu` tests skip with the driver's own reason when no GPU is usable."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def synth():
+    """scripts/make_synthetic_model.py as a module (random valid blocks, model writer)."""
+    return _load_script("make_synthetic_model")
+
+
+@pytest.fixture(scope="session")
+def cuda_backend():
+    from ntx_engine.backends.cuda_driver import gpu_unavailable_reason
+
+    reason = gpu_unavailable_reason()
+    if reason:
+        pytest.skip(f"no usable CUDA GPU: {reason}")
+    from ntx_engine.backends.cuda_backend import CudaBackend
+
+    return CudaBackend()
+
+
+@pytest.fixture(scope="session")
+def host_check(tmp_path_factory):
+    """The kernels' decoders built for the host with g++ (same headers as the NVRTC build)."""
+    import ctypes
+
+    out = tmp_path_factory.mktemp("host_check") / "libntx_host_check.so"
+    cmd = ["g++", "-O2", "-ffp-contract=off", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
+           str(ROOT / "native/cuda/host_check.cpp"), "-o", str(out)]
+    subprocess.run(cmd, check=True)
+    lib = ctypes.CDLL(str(out))
+    f32p = np.ctypeslib.ndpointer(np.float32, flags="C")
+    lib.ntx_host_deq.argtypes = [ctypes.c_int, np.ctypeslib.ndpointer(np.uint8, flags="C"), ctypes.c_long,
+                                 f32p, ctypes.c_void_p]
+    lib.ntx_host_q8.argtypes = [f32p, f32p, ctypes.c_void_p, ctypes.c_long]
+    lib.ntx_host_q8k.argtypes = [f32p, f32p, ctypes.c_long]
+    lib.ntx_host_round.argtypes = [f32p, f32p, ctypes.c_long, ctypes.c_int]
+    return lib

@@ -1,0 +1,51 @@
+"""Every kernel compiles with NVRTC to cubin for sm_80 and sm_90; no GPU or driver needed."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from ntx_common.errors import CudaError
+from ntx_engine.backends import cuda_nvrtc
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("source", cuda_nvrtc.SOURCES)
+def test_kernel_compiles_to_cubin(source, arch):
+    cubin, log = cuda_nvrtc.compile_cubin(source, arch)
+    assert cubin[:4] == b"\x7fELF", "NVRTC did not return an ELF cubin"
+    assert "warning" not in log.lower(), log
+
+
+def test_every_weight_type_has_kernels():
+    from ntx_engine.backends.cuda_kernels import KERNEL_TYPES
+
+    cubin, _ = cuda_nvrtc.compile_cubin("matvec.cu", "sm_90")
+    for suffix in KERNEL_TYPES.values():
+        for kernel in (f"matvec_{suffix}_n1", f"matvec_{suffix}_n8", f"embed_{suffix}"):
+            assert kernel.encode() + b"\0" in cubin, f"{kernel} missing from the cubin"
+
+
+def test_cache_reuses_cubin_and_keys_on_source(tmp_path):
+    kdir = tmp_path / "kernels"
+    shutil.copytree(cuda_nvrtc.KERNEL_DIR, kdir)
+    cache = tmp_path / "cache"
+    first = cuda_nvrtc.cached_cubin("attention.cu", "sm_90", cache, kdir)
+    files = list(cache.iterdir())
+    assert len(files) == 1 and files[0].read_bytes() == first
+    assert cuda_nvrtc.cached_cubin("attention.cu", "sm_90", cache, kdir) == first
+    assert len(list(cache.iterdir())) == 1  # a hit: nothing new written
+    (kdir / "ntx_half.cuh").write_text((kdir / "ntx_half.cuh").read_text() + "\n// changed\n")
+    cuda_nvrtc.cached_cubin("attention.cu", "sm_90", cache, kdir)
+    assert len(list(cache.iterdir())) == 2  # a header change is a new key
+    cuda_nvrtc.cached_cubin("attention.cu", "sm_80", cache, kdir)
+    assert len(list(cache.iterdir())) == 3
+
+
+def test_compile_error_carries_the_log(tmp_path):
+    (tmp_path / "broken.cu").write_text('extern "C" __global__ void k(float* x) { x[0] = undefined_name; }\n')
+    with pytest.raises(CudaError) as exc:
+        cuda_nvrtc.compile_cubin("broken.cu", "sm_90", tmp_path)
+    assert "nvrtcCompileProgram(broken.cu, sm_90)" in str(exc.value)
+    assert "undefined_name" in str(exc.value)
