@@ -29,6 +29,7 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ARRAY_NESTING = 8  # real files never nest arrays; a crafted header must not recurse forever
 INT64_MAX = 2**63 - 1
 
 
@@ -200,7 +201,7 @@ class _Parser:
         n = self.u64(f"count of {what}")
         if n * min_size > self.size - self.pos:
             raise self.fail(f"{what} claims {n} entries at byte {self.pos - 8}, more than the "
-                            f"remaining {self.size - self.pos} bytes can hold: the file is corrupt")
+                            f"remaining {self.size - self.pos} bytes can hold: the file is truncated or corrupt")
         return n
 
     def value_type(self, what: str) -> GGUFValueType:
@@ -217,7 +218,9 @@ class _Parser:
             return self.array(key)
         return self.scalar(vtype, f"value of {key!r}")
 
-    def array(self, key: str) -> GGUFArray:
+    def array(self, key: str, depth: int = 0) -> GGUFArray:
+        if depth > MAX_ARRAY_NESTING:
+            raise self.fail(f"metadata {key!r} nests arrays more than {MAX_ARRAY_NESTING} deep")
         etype = self.value_type(f"elements of {key!r}")
         n = self.count(f"array {key!r}", _MIN_SIZE[etype])
         if etype in _DTYPES:
@@ -226,7 +229,7 @@ class _Parser:
             self.pos += n * dtype.itemsize
             return GGUFArray(key, etype, n, data=data)
         if etype == GGUFValueType.ARRAY:
-            items = [self.array(f"{key}[{i}]") for i in range(n)]
+            items = [self.array(f"{key}[{i}]", depth + 1) for i in range(n)]
             return GGUFArray(key, etype, n, items=items)
         starts, lengths = self._string_table(key, n)
         return GGUFArray(key, etype, n, starts=starts, lengths=lengths, buf=self.buf)
@@ -300,7 +303,10 @@ def _read_tensor_info(p: _Parser, index: int) -> tuple[str, tuple[int, ...], GGM
     dims = tuple(p.u64(f"dims of tensor {name!r}") for _ in range(n_dims))
     if any(d > INT64_MAX for d in dims) or math.prod(dims) > INT64_MAX:
         raise p.fail(f"tensor {name!r} dims {dims} overflow 64-bit element counts")
-    ggml_type = ggml_type_of(p.u32(f"type of tensor {name!r}"), name)
+    try:
+        ggml_type = ggml_type_of(p.u32(f"type of tensor {name!r}"), name)
+    except GGUFError as e:
+        raise p.fail(str(e)) from None
     block = GGML_BLOCK_SIZES[ggml_type][0]
     if dims[0] % block:
         raise p.fail(f"tensor {name!r} row length {dims[0]} is not a multiple of the "

@@ -134,3 +134,9 @@ def small_gguf(tmp_path) -> Path:
 def make_small_gguf():
     """write_small_gguf itself, for tests that need variants (conftest is not importable)."""
     return write_small_gguf
+
+
+@pytest.fixture(scope="session")
+def small_gguf_bytes(tmp_path_factory) -> bytes:
+    """The bytes of write_small_gguf's file (session-scoped: usable with hypothesis)."""
+    return write_small_gguf(tmp_path_factory.mktemp("small") / "small.gguf").read_bytes()
