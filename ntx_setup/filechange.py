@@ -55,6 +55,8 @@ def restore_original(m: Machine, journal: Journal, entry: Entry, force: bool = F
     if sha256(data) != b["sha256"]:
         raise SetupError(f"backup {backup} does not match the journaled checksum; restore {b['path']} by hand")
     write_atomic(m.path(b["path"]), data, b["mode"])
+    if sha256(m.path(b["path"]).read_bytes()) != b["sha256"]:
+        raise SetupError(f"{b['path']} does not read back as the original after restoring it from {backup}")
     return True
 
 

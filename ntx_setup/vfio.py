@@ -157,6 +157,8 @@ def undo_bind(m: Machine, entry: Entry) -> None:
     if dev.driver_override != b.get("driver_override"):
         m.write(m.path(_dev_path(bdf, "driver_override")), b.get("driver_override") or "\n")
     if dev.driver != orig:
+        if dev.driver == VFIO_DRIVER:
+            _refuse_if_in_use(m, dev)
         if dev.driver:
             m.write(m.path(_dev_path(bdf, "driver/unbind")), bdf)
         if orig:
@@ -169,6 +171,17 @@ def undo_bind(m: Machine, entry: Entry) -> None:
     if b.get("noiommu") and b.get("noiommu_param") in (None, "N") and read_text(m.path(NOIOMMU_PARAM)) == "Y":
         m.write(m.path(NOIOMMU_PARAM), "0")
     _wait_namespaces(m, bdf, len(b.get("namespaces") or []))
+
+
+def _refuse_if_in_use(m: Machine, dev: pci.PciDevice) -> None:
+    """Unbinding vfio-pci while a process holds the group blocks in the kernel until it lets go."""
+    if dev.iommu_group is None:
+        return
+    users = block.openers(m.root, [f"vfio/{dev.iommu_group}", f"vfio/noiommu-{dev.iommu_group}"])
+    if users:
+        who = ", ".join(f"{pid} ({comm})" for pid, comm, _ in users)
+        raise SetupError(f"{dev.bdf} is in use through {users[0][2]} by process {who}: unbinding it now would "
+                         "block until that process exits; stop it first, then run restore again")
 
 
 def _wait_namespaces(m: Machine, bdf: str, count: int) -> None:

@@ -27,6 +27,7 @@ app.add_typer(dkms_cli.app, name="dkms")
 
 @app.callback()
 def _root(ctx: typer.Context, root: RootOpt = None, verbose: VerboseOpt = False) -> None:
+    # -v is read by the error boundary (run_app) from argv; declared here so click accepts it.
     ctx.obj = {"root": root}
 
 
@@ -37,7 +38,10 @@ def check(ctx: typer.Context, json_out: JsonOpt = False) -> None:
     from ntx_setup.cli.render import render_check
 
     report = collect(machine(ctx))
-    print_json(report) if json_out else render_check(report)
+    if json_out:
+        print_json(report)
+    else:
+        render_check(report)
 
 
 @app.command()
@@ -48,7 +52,11 @@ def report(ctx: typer.Context, out_dir: Annotated[Path, typer.Option("--out", he
     from ntx_setup.report import write_report
 
     paths = write_report(collect(machine(ctx)), out_dir)
-    print_json({k: str(v) for k, v in paths.items()}) if json_out else [out.print(str(p), markup=False) for p in paths.values()]
+    if json_out:
+        print_json({k: str(v) for k, v in paths.items()})
+        return
+    for path in paths.values():
+        out.print(str(path), markup=False)
 
 
 @app.command()
@@ -107,7 +115,10 @@ def restore(ctx: typer.Context,
     confirm_or_refuse(f"undo {len(entries)} change(s)", yes)
     with journal.lock():
         done = restore_mod.restore(m, journal, entries, force)
-    print_json({"plan": plan, "restored": done, "dry_run": False}) if json_out else status(f"restored {len(done)} change(s)")
+    if json_out:
+        print_json({"plan": plan, "restored": done, "dry_run": False})
+    else:
+        status(f"restored {len(done)} change(s)")
 
 
 @app.command("status")
@@ -148,7 +159,10 @@ def memlock(ctx: typer.Context, json_out: JsonOpt = False) -> None:
     from ntx_setup.check import memlock_advice
 
     advice = memlock_advice(machine(ctx))
-    print_json(advice) if json_out else out.print("\n".join(advice["lines"]), markup=False)
+    if json_out:
+        print_json(advice)
+    else:
+        out.print("\n".join(advice["lines"]), markup=False)
 
 
 def main(argv: list[str] | None = None) -> None:

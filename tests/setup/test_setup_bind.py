@@ -181,3 +181,33 @@ def test_restore_target_matching(cli, fr, nvme):
     assert cli("restore", "01:00.0", "--yes").exit_code == 0      # short BDF form
     assert driver(fr) == "nvme"
     assert cli("restore").exit_code == 2                          # neither target nor --all
+
+
+def test_restore_refuses_while_a_process_holds_the_vfio_group(cli, fr, nvme):
+    assert cli("bind", BDF, "--yes").exit_code == 0
+    fr.write("/proc/999/comm", "ntx-run")
+    fr.p("/proc/999/fd").mkdir(parents=True)
+    fr.p("/proc/999/fd/5").symlink_to("/dev/vfio/1")
+    r = cli("restore", "--all", "--yes")
+    assert r.exit_code == 1 and "in use through /dev/vfio/1 by process 999 (ntx-run)" in r.stderr
+    assert driver(fr) == "vfio-pci" and [e.state for e in Journal(fr.base).entries()] == ["done"]
+    fr.p("/proc/999/fd/5").unlink()
+    assert cli("restore", "--all", "--yes").exit_code == 0 and driver(fr) == "nvme"
+
+
+def test_setup_imports_neither_io_nor_engine_and_help_is_light():
+    """ntx-setup must work when CUDA/the engine are broken, and --help must not pull heavy modules."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "sys.modules['ntx_io'] = None; sys.modules['ntx_engine'] = None\n"
+            "import ntx_setup.cli\n"
+            "light = not {'psutil', 'pyudev', 'ntx_setup.check', 'ntx_setup.guards'} & set(sys.modules)\n"
+            "import pkgutil, importlib, ntx_setup\n"
+            "for mod in pkgutil.walk_packages(ntx_setup.__path__, 'ntx_setup.'):\n"
+            "    importlib.import_module(mod.name)\n"
+            "print('light' if light else 'heavy')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "light"

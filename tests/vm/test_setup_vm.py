@@ -11,8 +11,6 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from .harness import NVME_SERIAL, GuestResult, make_disk, run_guest
 
 # The host's / is read-only in the guest; the journal lives in /var/lib/ntx, so give it a tmpfs.
@@ -110,6 +108,3 @@ def _read(out: Path, name: str) -> str:
     except FileNotFoundError:
         return ""
 
-
-if not Path("/sbin/mkfs.ext4").exists() and not Path("/usr/sbin/mkfs.ext4").exists():
-    pytestmark = pytest.mark.skip(reason="mkfs.ext4 (e2fsprogs) missing: scripts/vm/install_host.sh installs it")
