@@ -24,6 +24,7 @@ class NvmeHandle:
     batch: NvmeBatch
     copies: list = field(default_factory=list)  # (dest view, bounce buffer, offset, length)
     spill: list = field(default_factory=list)  # one-off bounce buffers to free after the wait
+    regions: list = field(default_factory=list)  # (start, end) taken in the reader's bounce buffer
 
 
 class NvmeReader:
@@ -37,8 +38,7 @@ class NvmeReader:
         self.needs_hugepages = not ident.iommu  # no-IOMMU DMA only into memory that never moves
         self._hugepages = True if self.needs_hugepages else None
         self._bounce = self._pinned(bounce_bytes)
-        self._bounce_used = 0
-        self._open_handles = 0
+        self._live: list[tuple[int, int]] = []  # bounce regions of open handles
 
     @classmethod
     def open(cls, bdf: str, iommu: bool = True, **options) -> NvmeReader:
@@ -66,11 +66,18 @@ class NvmeReader:
         return address % 4 == 0 and any(b.contains(address, len(view)) for b in self.device._mapped.values())
 
     def _bounce_region(self, nbytes: int, handle: NvmeHandle) -> tuple[PinnedBuffer, int]:
-        if self._open_handles == 0:
-            self._bounce_used = 0  # nothing in flight uses it: start over
-        if self._bounce_used + nbytes <= self._bounce.capacity:
-            offset, self._bounce_used = self._bounce_used, self._bounce_used + nbytes
-            return self._bounce, offset
+        """First fit in the reader's bounce buffer among the regions of handles still open;
+        a one-off pinned buffer when it is full."""
+        size = -(-nbytes // 4096) * 4096
+        cursor = 0
+        for start, end in sorted(self._live):
+            if start - cursor >= size:
+                break
+            cursor = max(cursor, end)
+        if cursor + size <= self._bounce.capacity:
+            handle.regions.append((cursor, cursor + size))
+            self._live.append((cursor, cursor + size))
+            return self._bounce, cursor
         spill = self._pinned(nbytes)
         handle.spill.append(spill)
         return spill, 0
@@ -91,8 +98,11 @@ class NvmeReader:
             buf, at = self._bounce_region(end - start, handle)
             plan.append((start // block, (end - start) // block, buf.view()[at: at + end - start]))
             handle.copies.append((view, buf, at + offset - start, length))
-        handle.batch = self.device.submit(plan)
-        self._open_handles += 1
+        try:
+            handle.batch = self.device.submit(plan)
+        except Exception:
+            self._finish(handle)
+            raise
         return handle
 
     def wait(self, handle: NvmeHandle, timeout: float | None = None) -> bool:
@@ -109,8 +119,10 @@ class NvmeReader:
         return True
 
     def _finish(self, handle: NvmeHandle) -> None:
-        self._open_handles -= 1
         handle.copies.clear()
+        for region in handle.regions:
+            self._live.remove(region)
+        handle.regions.clear()
         for spill in handle.spill:
             if not self.device.fenced:  # a fenced device may still write there: keep it
                 spill.close()

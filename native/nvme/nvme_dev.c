@@ -185,12 +185,16 @@ int ntx_nvme_dma_unmap(struct ntx_nvme *d, void *va)
     if (d->fenced)
         return nx_fail(d, EBUSY, "%s is fenced after a timeout: the controller may still write "
                        "into this buffer; reset() the device before releasing it", d->bdf);
-    if (d->inflight)
-        return nx_fail(d, EBUSY, "%u read commands are in flight: wait for them before "
-                       "releasing a buffer", d->inflight);
-    for (int i = 0; i < NX_MAX_REGIONS; i++)
-        if (d->vfio.regions[i].in_use && d->vfio.regions[i].va == (uintptr_t)va &&
-            d->vfio.regions[i].internal)
+    for (int i = 0; i < NX_MAX_REGIONS; i++) {
+        const struct nx_region *g = &d->vfio.regions[i];
+        if (!g->in_use || g->va != (uintptr_t)va)
+            continue;
+        if (g->internal)
             return nx_fail(d, EINVAL, "%p is the driver's own memory", va);
+        uint32_t n = nx_inflight_into(d, g->va, g->len);
+        if (n)
+            return nx_fail(d, EBUSY, "%u read commands in flight write into this buffer: wait for "
+                           "them before releasing it", n);
+    }
     return nx_region_unmap(d, va);
 }

@@ -56,6 +56,8 @@ struct nx_slot {                     /* one command identifier of an I/O queue *
     int busy;
     uint64_t lba;
     uint32_t nlb;
+    uint32_t len;                    /* bytes the controller writes at dst */
+    uintptr_t dst;
     uint64_t deadline_ns;
 };
 
@@ -151,6 +153,7 @@ NX_INTERNAL void nx_queue_free(struct nx_queue *q);
 
 /* nvme_io.c */
 NX_INTERNAL void nx_batches_free(struct ntx_nvme *d);
+NX_INTERNAL uint32_t nx_inflight_into(struct ntx_nvme *d, uintptr_t va, size_t len);
 NX_INTERNAL void nx_fence(struct ntx_nvme *d, int result);
 NX_INTERNAL const char *nx_status_str(uint16_t sct_sc);
 

@@ -98,7 +98,7 @@ static void submit_one(struct ntx_nvme *d, struct nx_queue *q, struct ntx_nvme_b
     q->sq_tail = (q->sq_tail + 1) % q->depth;
     q->pending_doorbell++;
     q->slots[cid] = (struct nx_slot){ .batch = b, .io = i, .busy = 1, .lba = lba, .nlb = nlb,
-                                      .deadline_ns = nx_now_ns() + d->opts.cmd_timeout_us * 1000ull };
+                                      .len = len, .dst = dst, .deadline_ns = nx_now_ns() + d->opts.cmd_timeout_us * 1000ull };
     io->priv_submitted += nlb;
     io->priv_outstanding++;
     b->outstanding++;
@@ -324,6 +324,18 @@ int ntx_nvme_batch_close(struct ntx_nvme *d, struct ntx_nvme_batch *b)
         }
     }
     return nx_fail(d, ENOENT, "unknown batch");
+}
+
+/* Commands in flight that write into [va, va + len). */
+uint32_t nx_inflight_into(struct ntx_nvme *d, uintptr_t va, size_t len)
+{
+    uint32_t n = 0;
+    for (uint32_t k = 0; k < d->nioq; k++)
+        for (uint32_t c = 0; c < d->ioq[k].depth; c++) {
+            const struct nx_slot *s = &d->ioq[k].slots[c];
+            n += s->busy && s->dst < va + len && va < s->dst + s->len;
+        }
+    return n;
 }
 
 void nx_batches_free(struct ntx_nvme *d)
