@@ -62,6 +62,8 @@ def boot(mode: str, disk: Path, model: Path) -> dict:
         "echo $? > $NTX_VM_OUT/verify.rc",
         f"{verify} --full > $NTX_VM_OUT/verify_full.json",
         "echo $? > $NTX_VM_OUT/verify_full.rc",
+        f"ntx-io identify $NTX_VM_BDF {noiommu} --json > $NTX_VM_OUT/identify.json",
+        "echo $? > $NTX_VM_OUT/identify.rc",
     ])
     # iommu: start on the kernel nvme driver (its sysfs is an oracle), the guest binds vfio-pci
     result = run_guest(command, disk=disk, mode=mode, bind_vfio=mode != "iommu", mem_mb=1024, timeout=900)
@@ -70,10 +72,10 @@ def boot(mode: str, disk: Path, model: Path) -> dict:
         pytest.fail(f"the guest wrote no results (rc {result.returncode})\n{result.output[-3000:]}\n"
                     f"--- console ---\n{result.console[-3000:]}", pytrace=False)
     found = json.loads((out / "nvme.json").read_text())
-    for name in ("verify", "verify_full"):
+    for name in ("verify", "verify_full", "identify"):
         text = (out / f"{name}.json").read_text()
-        found[name] = json.loads(text) if text.strip() else {"rc": (out / f"{name}.rc").read_text(),
-                                                             "output": result.output[-2000:]}
+        found[f"cli_{name}"] = json.loads(text) if text.strip() else {
+            "rc": (out / f"{name}.rc").read_text(), "output": result.output[-2000:]}
     found["wall_s"] = result.wall_s
     return found
 
@@ -179,8 +181,12 @@ def test_close_and_reopen_leak_nothing(run, disk):
         assert digest(file_bytes(disk, lba * 512, nlb * 512)) == d
 
 
+def test_ntx_io_identify_cli_reports_what_the_driver_did(run):
+    assert run["cli_identify"] == run["identify"]
+
+
 def test_ntx_io_verify_passes_through_the_driver(run, model):
-    for name, mode in (("verify", "sampled"), ("verify_full", "full")):
+    for name, mode in (("cli_verify", "sampled"), ("cli_verify_full", "full")):
         doc = run[name]
         assert doc.get("ok") is True, doc
         assert doc["reader"] == "vfio" and doc["mode"] == mode
