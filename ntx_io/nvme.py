@@ -114,6 +114,9 @@ class NvmeDevice:
         self._ffi, self._lib, self._dev = ffi, lib, out[0]
         self._lock = threading.RLock()
         self._mapped: dict[int, PinnedBuffer] = {}
+        # batches the driver still writes results into: kept alive here until waited, even if
+        # the caller drops its handle, so the driver never writes into freed memory
+        self._open: set[NvmeBatch] = set()
         self._identity = self._read_identity()
 
     @classmethod
@@ -221,6 +224,7 @@ class NvmeDevice:
             rc = self._lib.ntx_nvme_batch_open(self._alive(), ios, len(reads), handle)
             self._check(rc, f"{self.bdf}: reads refused")
         batch.handle = handle[0]
+        self._open.add(batch)
         return batch
 
     def wait(self, batch: NvmeBatch, timeout: float | None = None) -> bool:
@@ -239,6 +243,7 @@ class NvmeDevice:
             detail = self._ffi.string(self._lib.ntx_nvme_last_error(dev)).decode(errors="replace")
             self._lib.ntx_nvme_batch_close(dev, batch.handle)
         batch.done, batch.handle = True, None
+        self._open.discard(batch)
         for cdata in batch._keep:  # give the destinations' buffer exports back now, not at GC
             self._ffi.release(cdata)
         batch._keep.clear()
@@ -275,6 +280,7 @@ class NvmeDevice:
         for buf in self._mapped.values():
             buf._devices.remove(self)
         self._mapped.clear()
+        self._open.clear()  # the driver freed its batches with the device
         if rc:
             raise _error(rc, f"{self.bdf} did not shut down cleanly (errno {-rc}); its VFIO "
                          "handles were released anyway")

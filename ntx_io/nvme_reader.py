@@ -86,7 +86,7 @@ class NvmeReader:
         block, plan = self.block, []
         handle = NvmeHandle(batch=None)
         for offset, length, dest in requests:
-            check_range(self.source, self.size, offset, length)
+            offset, length = check_range(self.source, self.size, offset, length)
             view = dest_view(dest, length)
             if length == 0:
                 continue

@@ -13,6 +13,7 @@ then land without a copy.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import operator
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -56,12 +57,18 @@ def dest_view(dest, length: int) -> memoryview:
     return view[:length]
 
 
-def check_range(source: str, size: int, offset: int, length: int) -> None:
-    if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0:
+def check_range(source: str, size: int, offset, length) -> tuple[int, int]:
+    """(offset, length) as ints, checked against the source's size."""
+    try:
+        offset, length = operator.index(offset), operator.index(length)  # numpy ints welcome
+    except TypeError:
+        offset = length = -1
+    if offset < 0 or length < 0:
         raise NtxIOError(f"bad read range offset={offset!r} length={length!r} on {source}")
     if offset + length > size:
         raise NtxIOError(f"read of bytes {offset}..{offset + length} ends past the end of {source} "
                          f"({size} bytes)")
+    return offset, length
 
 
 class PooledReader:
@@ -95,7 +102,7 @@ class PooledReader:
     def submit(self, requests: Sequence[tuple[int, int, object]]) -> list[cf.Future]:
         futures = []
         for offset, length, dest in requests:
-            check_range(self.source, self.size, offset, length)
+            offset, length = check_range(self.source, self.size, offset, length)
             view = dest_view(dest, length)
             for start in range(0, length, self.chunk):
                 n = min(self.chunk, length - start)

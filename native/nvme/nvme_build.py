@@ -1,7 +1,7 @@
 """cffi builder (out-of-line API mode) for the userspace NVMe driver: `ntx_io._nvme`.
 
-Built at install time through `setup.py` (`cffi_modules=["native/nvme/nvme_build.py:ffibuilder"]`);
-`python native/nvme/nvme_build.py` builds it in place for development. The declarations given
+Built at install time through `setup.py` (`cffi_modules=["native/nvme/nvme_build.py:ffibuilder"]`): `pip install -e .`
+rebuilds `ntx_io/_nvme.abi3.so` in place after a change to the C sources. The declarations given
 to cffi are the block between the cdef markers of `nvme.h`, so the header is the only source
 of truth for the API. cffi releases the GIL around every call, so polling in
 `ntx_nvme_batch_wait` does not stop other Python threads.
@@ -43,8 +43,3 @@ ffibuilder.set_source(
     extra_compile_args=CFLAGS,
     depends=[_rel(os.path.join(HERE, h)) for h in ("nvme.h", "nvme_impl.h", "nvme_spec.h")],
 )
-
-if __name__ == "__main__":
-    root = os.path.dirname(os.path.dirname(HERE))
-    os.chdir(root)
-    ffibuilder.compile(verbose=True)

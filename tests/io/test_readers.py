@@ -63,6 +63,8 @@ def test_past_eof_and_bad_ranges_are_refused_clearly(data_file, kind):
             reader.read_into(len(data) - 10, 11, bytearray(11))
         with pytest.raises(NtxIOError, match="bad read range"):
             reader.read_into(-1, 4, bytearray(4))
+        with pytest.raises(NtxIOError, match="bad read range"):
+            reader.read_into(1.5, 4, bytearray(4))
         with pytest.raises(NtxIOError, match="holds 3 bytes, 4 requested"):
             reader.read_into(0, 4, bytearray(3))
         with pytest.raises(NtxIOError, match="read-only"):
@@ -75,7 +77,7 @@ def test_destinations_numpy_pinned_and_unaligned_slices(data_file, kind):
     with open_reader(path, kind)[0] as reader, PinnedBuffer(3 << 20) as buf:
         reader.register(buf)
         arr = np.zeros(10_000, dtype=np.uint8)
-        reader.read_into(12_345, 10_000, arr)
+        reader.read_into(np.int64(12_345), np.uint32(10_000), arr)  # offsets from numpy tables
         assert arr.tobytes() == data[12_345: 22_345]
         reader.read_into(8192, 2 << 20, buf)  # aligned, straight into the pinned buffer
         assert buf.view()[: 2 << 20] == data[8192: 8192 + (2 << 20)]
