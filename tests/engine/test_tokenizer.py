@@ -319,13 +319,17 @@ def test_stream_decoder_skip_special(built):
 # ---- construction -----------------------------------------------------------------------------
 
 def test_smollm_construction_is_fast(smol_md):
-    times = []
+    """< 1 s to build from the file's lazy metadata. Asserted on CPU time: on a shared 2-core
+    CI machine the wall time also counts whatever else runs (both are printed)."""
+    cpu, wall = [], []
     for _ in range(3):
-        t0 = time.perf_counter()
+        c0, w0 = time.process_time(), time.perf_counter()
         Tokenizer.from_metadata(smol_md)
-        times.append(time.perf_counter() - t0)
-    print(f"\nTokenizer.from_metadata(SmolLM2, 49152 tokens, 48900 merges): best {min(times) * 1e3:.0f} ms")
-    assert min(times) < 1.0
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    print(f"\nTokenizer.from_metadata(SmolLM2, 49152 tokens, 48900 merges): "
+          f"best {min(cpu) * 1e3:.0f} ms CPU, {min(wall) * 1e3:.0f} ms wall")
+    assert min(cpu) < 1.0
 
 
 class _Lazy:
