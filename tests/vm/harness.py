@@ -219,11 +219,13 @@ def _boot(argv: list[str], console: Path, job: Path, timeout: float) -> tuple[fl
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
             raise TimeoutError(f"guest still running after {timeout:g} s; QEMU killed.\n"
                                f"--- console tail ---\n{_tail(console)}\n"
                                f"--- command output tail ---\n{_tail(job / 'output')}") from None
+        finally:  # also on KeyboardInterrupt or a pytest-timeout: never leave a QEMU behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         qlog.seek(0)
         return time.monotonic() - t0, qlog.read().decode(errors="replace")
 
@@ -250,3 +252,37 @@ def _collect(job: Path, console: Path, qemu_log: str, wall: float, out: Path) ->
                          f"\n--- console tail ---\n{log[-TAIL_CHARS:]}")
     return GuestResult(returncode=int(rc), output=_read(job / "output"), console=log,
                        wall_s=wall, out_dir=out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Debugging aid: python -m tests.vm.harness [--mode M] [--no-bind] [--disk F] 'command'."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m tests.vm.harness", description=main.__doc__)
+    ap.add_argument("command")
+    ap.add_argument("--mode", choices=MODES, default="iommu")
+    ap.add_argument("--no-bind", action="store_true", help="leave the NVMe on the nvme driver")
+    ap.add_argument("--disk", type=Path, help="backing file (default: a fresh sparse 64 MiB one)")
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--out", type=Path, help="host dir shared as $NTX_VM_OUT (default: a new, kept temp dir)")
+    ap.add_argument("--console", action="store_true", help="also print the serial console")
+    args = ap.parse_args(argv)
+    out = args.out or Path(tempfile.mkdtemp(prefix="ntx-vm-out-"))
+    with tempfile.TemporaryDirectory(prefix="ntx-vm-disk-") as tmp:
+        disk = args.disk or make_disk(Path(tmp) / "nvme.img")
+        try:
+            result = run_guest(args.command, disk=disk, mode=args.mode, bind_vfio=not args.no_bind,
+                               timeout=args.timeout, out_dir=out)
+        except (VmUnavailable, GuestError, TimeoutError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if args.console:
+        sys.stderr.write(result.console)
+    sys.stdout.write(result.output)
+    print(f"[guest exit {result.returncode}, {result.wall_s:.1f} s, out dir {result.out_dir}]", file=sys.stderr)
+    return result.returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
