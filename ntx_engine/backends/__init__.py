@@ -2,7 +2,7 @@
 
 from ntx_engine.backends.base import Backend
 
-__all__ = ["Backend", "make_backend"]
+__all__ = ["Backend", "default_device", "make_backend"]
 
 
 def make_backend(device: str = "cpu", **options) -> Backend:
@@ -10,6 +10,24 @@ def make_backend(device: str = "cpu", **options) -> Backend:
         from ntx_engine.backends.numpy_backend import NumpyBackend
 
         return NumpyBackend(**options)
+    # --- cuda (issue 5) ---
+    if device == "cuda" or device.startswith("cuda:"):
+        from ntx_engine.backends.cuda_backend import CudaBackend
+
+        ordinal = int(device.partition(":")[2] or 0)
+        return CudaBackend(device=ordinal, **options)
     from ntx_common.errors import UsageError
 
-    raise UsageError(f"unknown device {device!r} (available: cpu)")
+    raise UsageError(f"unknown device {device!r} (available: cpu, cuda, cuda:N)")
+
+
+def default_device() -> str:
+    """"cuda" when a CUDA GPU and cuda-python are usable here, else "cpu" (numpy)."""
+    try:
+        from ntx_engine.backends.cuda_driver import gpu_unavailable_reason
+    except ImportError:
+        return "cpu"
+    try:
+        return "cpu" if gpu_unavailable_reason() else "cuda"
+    except Exception:  # any failure probing the driver means: no usable GPU
+        return "cpu"

@@ -35,8 +35,15 @@ def cuda_backend():
     if reason:
         pytest.skip(f"no usable CUDA GPU: {reason}")
     from ntx_engine.backends.cuda_backend import CudaBackend
+    from ntx_engine.config import ModelConfig
 
-    return CudaBackend()
+    b = CudaBackend()
+    cfg = ModelConfig(arch="llama", n_layers=1, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64,
+                      rope_dim=64, rope_base=10000.0, rope_type="norm", rope_freq_scale=1.0,
+                      has_rope_freqs=False, rms_eps=1e-5, context_length=64, vocab_size=64,
+                      tied_embeddings=True, qkv_bias=False)
+    b.set_model(cfg, 64, None)  # the id/position buffers the embed and rope kernels read
+    return b
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,128 @@
+"""The kernels of `native/cuda`, loaded for one device, with their launch shapes.
+
+Each method launches one kernel on the given stream; shapes and the rounding each kernel does
+are documented in the `.cu` files. Weight-type kernels are named `<op>_<type>` after ggml's type.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ntx_engine.backends import cuda_nvrtc
+from ntx_engine.backends.cuda_driver import Device, DeviceArray, LaunchConfig, Module, Stream, check, driver, launch
+from ntx_engine.quants import GGMLType
+
+# ggml type -> suffix of its matvec_/embed_ kernels (NTX_FOR_EACH_TYPE in ntx_quants.cuh)
+KERNEL_TYPES: dict[GGMLType, str] = {
+    GGMLType.F32: "f32", GGMLType.F16: "f16", GGMLType.BF16: "bf16",
+    GGMLType.Q4_0: "q4_0", GGMLType.Q4_1: "q4_1", GGMLType.Q5_0: "q5_0", GGMLType.Q5_1: "q5_1",
+    GGMLType.Q8_0: "q8_0", GGMLType.Q2_K: "q2_k", GGMLType.Q3_K: "q3_k", GGMLType.Q4_K: "q4_k",
+    GGMLType.Q5_K: "q5_k", GGMLType.Q6_K: "q6_k",
+}
+# elements per 32-element unit's block, for launch sizes
+BLOCK_ELEMENTS = {t: (256 if t in (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K,
+                                   GGMLType.Q6_K) else 32) for t in KERNEL_TYPES}
+MATVEC_ROWS_PER_BLOCK = 4  # NTX_WARPS in matvec.cu
+MATVEC_MAX_TOKENS = 8  # the _n8 variants
+ATTN_THREADS = 256
+# "staged": blocks copied to shared memory with wide loads (default); "direct": byte loads
+MATVEC_VARIANTS = {"staged": "matvec", "direct": "matvecd"}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Kernels:
+    def __init__(self, device: Device, cache_dir: Path | None = None, matvec: str = "staged") -> None:
+        if matvec not in MATVEC_VARIANTS:
+            raise ValueError(f"matvec variant must be one of {sorted(MATVEC_VARIANTS)}, got {matvec!r}")
+        self.device = device
+        self.matvec_prefix = MATVEC_VARIANTS[matvec]
+        self.modules = {src: Module(cuda_nvrtc.cached_cubin(src, device.arch, cache_dir), src)
+                        for src in cuda_nvrtc.SOURCES}
+        self._attn_smem_limit = 48 * 1024
+
+    def fn(self, source: str, name: str):
+        return self.modules[source].function(name)
+
+    def _go(self, source: str, name: str, grid, block, args, stream: Stream, smem: int = 0) -> None:
+        cfg = LaunchConfig(tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block)), smem)
+        launch(self.fn(source, name), cfg, args, stream, name)
+
+    # --- quantized weights --------------------------------------------------------------
+    def matvec(self, t: GGMLType, w: DeviceArray, xq: DeviceArray, s: DeviceArray | None, y: DeviceArray,
+               rows: int, k: int, n: int, stream: Stream, x_off: int = 0) -> None:
+        """y (n, rows) = xq (n, k) . w^T; n <= MATVEC_MAX_TOKENS; pointers already offset."""
+        variant = "n1" if n == 1 else "n8"
+        grid = (_cdiv(rows, MATVEC_ROWS_PER_BLOCK),)
+        self._go("matvec.cu", f"{self.matvec_prefix}_{KERNEL_TYPES[t]}_{variant}", grid, (32 * MATVEC_ROWS_PER_BLOCK,),
+                 (w, xq, s, y, rows, k, n), stream)
+
+    def embed(self, t: GGMLType, table: DeviceArray, ids: DeviceArray, out: DeviceArray, n: int, k: int,
+              stream: Stream) -> None:
+        units = k // BLOCK_ELEMENTS[t] * (BLOCK_ELEMENTS[t] // 32)
+        self._go("matvec.cu", f"embed_{KERNEL_TYPES[t]}", (_cdiv(units, 128), n), (128,), (table, ids, out, k), stream)
+
+    def quantize(self, vec_dot: GGMLType, x: DeviceArray, xq: DeviceArray, s: DeviceArray | None,
+                 stream: Stream) -> None:
+        """x_hat = x quantized to vec_dot as ggml's CPU does (s: Q8_1 block sums)."""
+        total = x.size
+        if vec_dot in (GGMLType.Q8_0, GGMLType.Q8_1):
+            nb = total // 32  # one warp per block
+            self._go("matvec.cu", "quant_q8_1", (_cdiv(nb * 32, 128),), (128,),
+                     (x, xq, s if vec_dot == GGMLType.Q8_1 else None, nb), stream)
+        elif vec_dot == GGMLType.Q8_K:
+            nb = total // 256
+            self._go("matvec.cu", "quant_q8_k", (_cdiv(nb * 32, 128),), (128,), (x, xq, nb), stream)
+        elif vec_dot in (GGMLType.F16, GGMLType.BF16):
+            name = "round_f16" if vec_dot == GGMLType.F16 else "round_bf16"
+            self._go("matvec.cu", name, (_cdiv(total, 256),), (256,), (x, xq, total), stream)
+        else:
+            raise ValueError(f"no activation quantization for {vec_dot.name}")
+
+    # --- element-wise and row ops -------------------------------------------------------
+    def rmsnorm(self, x: DeviceArray, w: DeviceArray, out: DeviceArray, eps: float, stream: Stream) -> None:
+        n, k = x.shape
+        self._go("ops.cu", "rmsnorm", (n,), (256,), (x, w, out, k, float(eps)), stream)
+
+    def rope(self, x, out, pos, ff, n_heads, head_dim, rope_dim, scale, freq_scale, neox, stream) -> None:
+        n = x.shape[0]
+        work = n_heads * (head_dim // 2)
+        self._go("ops.cu", "rope", (_cdiv(work, 128), n), (128,),
+                 (x, out, pos, ff, n_heads, head_dim, rope_dim, float(scale), float(freq_scale), int(neox)), stream)
+
+    def swiglu(self, g, u, out, stream) -> None:
+        self._go("ops.cu", "swiglu", (_cdiv(g.size, 256),), (256,), (g, u, out, g.size), stream)
+
+    def add(self, a, b, out, stream) -> None:
+        self._go("ops.cu", "add", (_cdiv(a.size, 256),), (256,), (a, b, out, a.size, b.size), stream)
+
+    def kv_store(self, k, v, kc, vc, pos, kv_dim, stream) -> None:
+        n = k.shape[0]
+        self._go("ops.cu", "kv_store", (_cdiv(kv_dim, 128), n), (128,), (k, v, kc, vc, pos, kv_dim), stream)
+
+    def argmax(self, x, out, stream) -> None:
+        self._go("ops.cu", "argmax", (1,), (1024,), (x, x.size, out), stream)
+
+    def attention(self, q, kc, vc, out, pos, n_head, n_kv, head_dim, n_ctx, scale, stream) -> None:
+        n = q.shape[0]
+        threads = max(head_dim, ATTN_THREADS // head_dim * head_dim)
+        smem = 32 * 8 + 4 * (32 + head_dim + threads + n_ctx)
+        self._allow_smem("attention.cu", "attention", smem)
+        self._go("attention.cu", "attention", (n_head, n), (threads,),
+                 (q, kc, vc, out, pos, n_head, n_kv, head_dim, float(scale)), stream, smem)
+
+    def _allow_smem(self, source: str, name: str, smem: int) -> None:
+        if smem <= self._attn_smem_limit:
+            return
+        if smem > self.device.max_smem_optin:
+            from ntx_common.errors import CudaError
+
+            raise CudaError(f"attention needs {smem} bytes of shared memory for this context; the GPU allows "
+                            f"{self.device.max_smem_optin}: use a smaller n_ctx")
+        drv = driver()
+        check(drv.cuFuncSetAttribute(self.fn(source, name),
+                                     drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+              f"cuFuncSetAttribute({name}, max dynamic smem {smem})")
+        self._attn_smem_limit = smem

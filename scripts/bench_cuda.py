@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Benchmark the CUDA backend on one GGUF (real or synthetic): prefill and decode tok/s,
+decode with and without the CUDA graph, achieved GB/s against the HBM bound; JSON out.
+
+    python scripts/bench_cuda.py --model m.gguf --json out.json
+    python scripts/bench_cuda.py --synthetic llama3-8b:q4_k_m --json out.json   # writes /tmp/...
+
+Bytes per decode token = every weight matrix once (one row of token_embd) + the KV cache read;
+the bound is those bytes over the measured device-to-device copy bandwidth (read + write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def copy_bandwidth(backend, nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """Device copy bandwidth in bytes/s counting bytes read plus written (cuMemcpyDtoDAsync)."""
+    from ntx_engine.backends.cuda_driver import DeviceArray, Event, check, driver
+
+    a, b = DeviceArray(backend.pool, (nbytes,), np.uint8), DeviceArray(backend.pool, (nbytes,), np.uint8)
+    s = backend.stream
+
+    def copy():
+        check(driver().cuMemcpyDtoDAsync(b.ptr, a.ptr, nbytes, s.handle), "cuMemcpyDtoDAsync")
+
+    copy()
+    t0, t1 = Event(), Event()
+    t0.record(s)
+    for _ in range(reps):
+        copy()
+    t1.record(s)
+    t1.synchronize()
+    return 2 * nbytes * reps / (t1.elapsed_ms(t0) / 1e3)
+
+
+def weight_bytes(weights) -> tuple[int, int]:
+    """(bytes read per decode token, total bytes) of the resident weights."""
+    mats = [weights.output] + [getattr(lw, f) for lw in weights.layers
+                               for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
+    per_token = sum(m.nbytes for m in mats) + weights.tok_embd.nbytes // weights.tok_embd.shape[0]
+    total = per_token + (0 if weights.output is weights.tok_embd else weights.tok_embd.nbytes)
+    return per_token, total
+
+
+def timed(fn, backend) -> float:
+    backend.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    backend.synchronize()
+    return time.perf_counter() - t0
+
+
+def run(path: Path, n_prompt: int, n_decode: int, n_ctx: int, matvec: str = "staged") -> dict:
+    from ntx_engine.backends.cuda_backend import CudaBackend
+    from ntx_engine.backends.cuda_graph import DecodeGraph
+    from ntx_engine.config import ModelConfig
+    from ntx_engine.gguf import GGUFFile
+    from ntx_engine.model import Transformer, WeightLoader
+
+    b = CudaBackend(matvec=matvec)
+    gf = GGUFFile.open(path)
+    cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
+    t0 = time.perf_counter()
+    weights = WeightLoader(gf, cfg, b).load()
+    load_s = time.perf_counter() - t0
+    model = Transformer(cfg, weights, b, n_ctx)
+    graph = DecodeGraph(model)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, n_prompt)
+
+    def prefill():
+        for s in range(0, n_prompt, 256):
+            model.forward(prompt[s:s + 256], s)
+
+    prefill()  # warm-up: module load, pool buffers
+    pre_s = timed(prefill, b)
+
+    def decode_plain():
+        tok = int(prompt[-1])
+        for i in range(n_decode):
+            tok = int(np.argmax(model.forward(np.asarray([tok]), n_prompt + i)[-1]))
+
+    def decode_graph():
+        tok = int(prompt[-1])
+        for i in range(n_decode):
+            tok = graph.greedy(tok, n_prompt + i)
+
+    decode_plain()
+    plain_s = timed(decode_plain, b)
+    graph.greedy(int(prompt[-1]), n_prompt)  # capture
+    graph_s = timed(decode_graph, b)
+    bw = copy_bandwidth(b)
+    per_tok, total = weight_bytes(weights)
+    kv = 2 * cfg.n_layers * (n_prompt + n_decode // 2) * cfg.kv_dim * 2  # f16 K and V read, mean context
+    tok_s = n_decode / graph_s
+    return dict(model=str(path.name), matvec=matvec, device=b.device.name, arch=b.device.arch, n_layers=cfg.n_layers,
+                weights_gb=total / 1e9, bytes_per_token_gb=(per_tok + kv) / 1e9, load_s=load_s,
+                prefill_tokens=n_prompt, prefill_tok_s=n_prompt / pre_s,
+                decode_tokens=n_decode, decode_tok_s_graph=tok_s, decode_tok_s_plain=n_decode / plain_s,
+                copy_bw_gb_s=bw / 1e9, hbm_bound_tok_s=bw / (per_tok + kv),
+                achieved_gb_s=(per_tok + kv) * tok_s / 1e9, fraction_of_bound=(per_tok + kv) * tok_s / bw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path)
+    src.add_argument("--synthetic", help="SHAPE:MIX[:LAYERS], written by make_synthetic_model.py")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--n-ctx", type=int, default=1024)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp"))
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--matvec", choices=["staged", "direct"], default="staged", help="matvec kernel variant")
+    a = ap.parse_args(argv)
+    path = a.model
+    if a.synthetic:
+        import make_synthetic_model as msm
+
+        shape, mix, *layers = a.synthetic.split(":")
+        path = a.workdir / f"synthetic-{shape}-{mix}{'-' + layers[0] if layers else ''}.gguf"
+        if not path.exists():
+            t0 = time.perf_counter()
+            msm.write_model(path, shape, mix, int(layers[0]) if layers else None)
+            print(f"wrote {path} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    res = run(path, a.prompt, a.decode, a.n_ctx, a.matvec)
+    text = json.dumps(res, indent=1)
+    print(text)
+    if a.json:
+        a.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    raise SystemExit(main())
