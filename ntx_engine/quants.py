@@ -388,9 +388,10 @@ def _q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(nb, 32) float32 -> float32 d (nb, 1) before fp16 rounding, q (nb, 32) as float32."""
     amax = np.abs(x).max(axis=1, keepdims=True)
     d = amax / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    return d, np.clip(np.rint(x * inv), -128, 127)
+    # 127/inf = 0 gives ggml's "id = 0 for an all-zero block" without a division warning;
+    # |x * inv| <= 127 (1 + 2^-23), so the rounded q never leaves [-127, 127]
+    inv = np.float32(127) / np.where(amax == 0, np.float32(np.inf), amax)
+    return d, np.rint(x * inv)
 
 
 def _q8_k_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

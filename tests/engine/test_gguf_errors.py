@@ -276,3 +276,14 @@ def test_fuzzed_headers_raise_only_gguf_error(small_gguf_bytes, mutations):
             _exercise(path)
         except GGUFError:
             pass
+
+
+def test_invalid_utf8_in_string_array_names_the_entry(small, tmp_path):
+    small.raw[small.find("Ġthe".encode())] = 0xFF  # opening stays lazy: access fails
+    with GGUFFile.open(small.save(tmp_path / "x.gguf")) as f:
+        strs = f.metadata["t.strs"]
+        assert strs[0] == "a"
+        with pytest.raises(GGUFError, match=r"'t.strs'\[3\] is not valid UTF-8"):
+            strs.tolist()
+        with pytest.raises(GGUFError, match=r"'t.strs'\[3\] is not valid UTF-8"):
+            strs[3]
