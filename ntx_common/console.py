@@ -71,15 +71,16 @@ def _report(exc: BaseException, code: int, argv: list[str] | None) -> None:
 
 
 def _click_or_crash(exc: Exception, argv: list[str] | None) -> None:
-    import click
+    import typer
 
-    if isinstance(exc, click.exceptions.ClickException):
-        exc.show(file=sys.stderr)
+    if isinstance(exc, typer.Exit):
         raise SystemExit(exc.exit_code)
-    if isinstance(exc, click.exceptions.Abort):
+    if isinstance(exc, typer.Abort):
         err.print("aborted")
         raise SystemExit(1)
-    if isinstance(exc, click.exceptions.Exit):
+    # click's usage errors (typer vendors its own click): duck-typed, they know how to show themselves
+    if callable(getattr(exc, "show", None)) and isinstance(getattr(exc, "exit_code", None), int):
+        exc.show(file=sys.stderr)
         raise SystemExit(exc.exit_code)
     _report(exc, 1, argv) if verbose_requested(argv) else _crash(exc)
 

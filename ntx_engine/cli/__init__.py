@@ -1,0 +1,1 @@
+"""Console scripts of the engine (`ntx-run`)."""

