@@ -296,6 +296,12 @@ def recommend(facts: dict) -> dict:
         summary = f"dedicate NVMe {pick['bdf']} ({pick['model'] or 'unknown model'})" if not pick["dedicated"] \
             else f"NVMe {pick['bdf']} is already dedicated to vfio-pci"
         return {"nvme": pick["bdf"], "summary": summary, "budgets": budgets}
-    fix = (f"{wipe[0]['bdf']} only carries old signatures: if its data is disposable, wipe it or bind with --force"
-           if wipe else "add a spare NVMe drive, or let ntx read the model file with O_DIRECT")
+    no_iommu = [n for n in nvmes if n["refusals"] and all(r["code"] == "noiommu" for r in n["refusals"])]
+    if no_iommu:
+        fix = (f"{no_iommu[0]['bdf']} is free but the IOMMU is off: `ntx-setup grub enable-iommu` and reboot, "
+               "or bind with --noiommu (unsafe: no DMA protection)")
+    elif wipe:
+        fix = f"{wipe[0]['bdf']} only carries old signatures: if its data is disposable, wipe it or bind with --force"
+    else:
+        fix = "add a spare NVMe drive, or let ntx read the model file with O_DIRECT"
     return {"nvme": None, "summary": "no NVMe is safe to dedicate", "fix": fix, "budgets": budgets}

@@ -105,7 +105,7 @@ def do_bind(m: Machine, bp: BindPlan) -> dict:
     if pci.read_device(m.root, bdf).driver:
         m.write(m.path(_dev_path(bdf, "driver/unbind")), bdf)
     m.write(m.path("/sys/bus/pci/drivers_probe"), bdf)
-    m.wait_for(lambda: pci.read_device(m.root, bdf).driver == VFIO_DRIVER, f"{bdf} to bind to vfio-pci")
+    m.wait_for(lambda: pci.read_device(m.root, bdf).driver == VFIO_DRIVER, f"{bdf} to bind to vfio-pci", 20)
     return _power_up(m, bdf) | {"vfio": str(_wait_vfio_node(m, bdf))}
 
 
@@ -189,7 +189,7 @@ def _wait_namespaces(m: Machine, bdf: str, count: int) -> None:
         names = block.namespaces_of(m.root, bdf)
         return len(names) >= count and all(m.path(f"/dev/{n}").exists() for n in names)
 
-    m.wait_for(back, f"{count} namespace block device(s) of {bdf} to reappear", timeout=30)
+    m.wait_for(back, f"{count} namespace block device(s) of {bdf} to reappear", timeout=60)
 
 
 def live_state(m: Machine, entry: Entry) -> str:

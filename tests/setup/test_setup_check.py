@@ -97,6 +97,7 @@ def test_check_iommu_off_and_non_root(cli, fr):
     assert findings(doc, "iommu")[0]["level"] == "warn" and "grub enable-iommu" in findings(doc, "iommu")[0]["fix"]
     assert findings(doc, "user")[0]["level"] == "warn"
     assert doc["recommendation"]["nvme"] is None
+    assert "IOMMU is off" in doc["recommendation"]["fix"] and "--noiommu" in doc["recommendation"]["fix"]
 
 
 def test_report_is_self_contained_and_escaped(cli, rig, tmp_path):

@@ -102,6 +102,29 @@ echo driver_after=$(drv)
     assert "refused (signature)" in _read(out, "bind2.err") and "ext4" in _read(out, "bind2.err")
 
 
+def test_noiommu_bind_and_restore(tmp_path: Path, vm_noiommu_assets: Path) -> None:
+    """No vIOMMU; vfio.ko rebuilt with CONFIG_VFIO_NOIOMMU is loaded with the unsafe mode on."""
+    disk = make_disk(tmp_path / "nvme.img", 16)
+    command = PRELUDE + """
+ntx-setup bind $NTX_VM_BDF --yes 2> $NTX_VM_OUT/refused.err; echo plain_rc=$?
+ntx-setup bind $NTX_VM_BDF --yes --noiommu --json > $NTX_VM_OUT/bind.json 2> $NTX_VM_OUT/bind.err; echo bind_rc=$?
+echo bound_driver=$(drv)
+echo vfio_nodes=$(ls /dev/vfio | tr '\\n' ,)
+ntx-setup restore --all --yes 2> $NTX_VM_OUT/restore.err; echo restore_rc=$?
+echo restored_driver=$(drv)
+test -b /dev/nvme0n1 && echo blockdev=back
+"""
+    result = run_guest(command, disk=disk, mode="noiommu", bind_vfio=False, timeout=300)
+    got, out = _fields(result), result.out_dir
+    assert got["plain_rc"] == "1" and "refused (noiommu)" in _read(out, "refused.err")
+    assert got["bind_rc"] == "0", _read(out, "bind.err")
+    assert got["bound_driver"] == "vfio-pci"
+    vfio = _json(out, "bind.json")["entry"]["after"]["vfio"]
+    assert vfio.startswith("/dev/vfio/noiommu-") and f"{vfio.rsplit('/', 1)[1]}," in got["vfio_nodes"]
+    assert got["restore_rc"] == "0", _read(out, "restore.err")
+    assert got["restored_driver"] == "nvme" and got["blockdev"] == "back"
+
+
 def _read(out: Path, name: str) -> str:
     try:
         return (out / name).read_text()
