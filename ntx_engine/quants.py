@@ -384,23 +384,35 @@ def dequantize(raw: np.ndarray | memoryview, ggml_type: GGMLType | int, shape: t
 # quantize_row_q8_0/q8_1 compute d = amax/127, multiply by 127/amax and round half to even;
 # Q8_K uses the reference quantize_row_q8_K_ref: iscale = -127/max, round half to even).
 
-def _q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(nb, 32) float32 -> float32 d (nb, 1) before fp16 rounding, q (nb, 32) as float32."""
+def _q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(nb, 32) float32 -> d (nb, 1) before fp16 rounding, q (nb, 32) and sum(q) (nb, 1) as
+    ggml's int32 lanes add it, all float32."""
     amax = np.abs(x).max(axis=1, keepdims=True)
     d = amax / np.float32(127)
     # 127/inf = 0 gives ggml's "id = 0 for an all-zero block" without a division warning;
     # |x * inv| <= 127 (1 + 2^-23), so the rounded q never leaves [-127, 127]
-    inv = np.float32(127) / np.where(amax == 0, np.float32(np.inf), amax)
-    return d, np.rint(x * inv)
+    with np.errstate(over="ignore"):
+        inv = np.float32(127) / np.where(amax == 0, np.float32(np.inf), amax)
+    overflow = np.isinf(inv)
+    q = np.rint(x * np.where(overflow, np.float32(0), inv))
+    if not overflow.any():
+        return d, q, q.sum(axis=1, keepdims=True)
+    # amax < ~3.7e-37: 127/amax overflows and ggml converts the inf/nan products to INT_MIN,
+    # which saturates to -128 in every quant and wraps to 0 in the int32 sum (d is 0 in fp16)
+    q = np.where(overflow, np.float32(-128), q)
+    return d, q, np.where(overflow, np.float32(0), q.sum(axis=1, keepdims=True))
 
 
 def _q8_k_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(nb, 256) float32 -> f32 d (nb, 1), q (nb, 256) float32."""
     signed_max = np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore"):
         iscale = np.where(signed_max != 0, np.float32(-127) / signed_max, np.float32(0))
         iscale = iscale.astype(np.float32)
         d = np.where(iscale != 0, np.float32(1) / iscale, np.float32(0)).astype(np.float32)
+    # a tiny max makes iscale infinite: ggml's nearest_int then yields values whose int8
+    # truncation is 0, so those blocks quantize to all zeros (with d = -0.0 or +0.0)
+    iscale = np.where(np.isinf(iscale), np.float32(0), iscale)
     return d, np.minimum(np.rint(iscale * x), 127)
 
 
@@ -414,10 +426,10 @@ def quantize_blocks(x: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
         sums = q.reshape(len(x), 16, 16).sum(axis=2).astype("<i2")
         parts = [d.astype("<f4").view(np.uint8), q.astype(np.int8).view(np.uint8), sums.view(np.uint8)]
     elif ggml_type in (GGMLType.Q8_0, GGMLType.Q8_1):
-        d, q = _q8_blocks(x)
+        d, q, qsum = _q8_blocks(x)
         parts = [d.astype("<f2").view(np.uint8)]
         if ggml_type == GGMLType.Q8_1:
-            parts.append((d * q.sum(axis=1, keepdims=True)).astype("<f2").view(np.uint8))
+            parts.append((d * qsum).astype("<f2").view(np.uint8))
         parts.append(q.astype(np.int8).view(np.uint8))
     else:
         raise ValueError(f"{ggml_type.name} is not an activation block format")
@@ -443,12 +455,12 @@ def _quantize_with_sums(x: np.ndarray, vec_dot_type: GGMLType) -> tuple[np.ndarr
     if vec_dot_type == GGMLType.BF16:
         return _round_bf16(x), None
     if vec_dot_type in (GGMLType.Q8_0, GGMLType.Q8_1):
-        d, q = _q8_blocks(x.reshape(-1, 32))
+        d, q, qsum = _q8_blocks(x.reshape(-1, 32))
         d16 = d.astype(np.float16).astype(np.float32)
         x_hat = (d16 * q).reshape(n, k)
         if vec_dot_type == GGMLType.Q8_0:
             return x_hat, None
-        s = (d * q.sum(axis=1, keepdims=True)).astype(np.float16).astype(np.float32)
+        s = (d * qsum).astype(np.float16).astype(np.float32)
         return x_hat, s.reshape(n, k // 32)
     if vec_dot_type == GGMLType.Q8_K:
         d, q = _q8_k_blocks(x.reshape(-1, QK_K))
