@@ -14,7 +14,7 @@ run: $(BIN)/ntx-run .venv/.demo
 	$(BIN)/ntx-run "$(PROMPT)" --max-tokens 64
 
 test: .venv/.test fixtures vm-assets
-	$(BIN)/python -m pytest
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
