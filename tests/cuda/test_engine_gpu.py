@@ -1,6 +1,14 @@
 """End to end on the GPU: the CUDA backend (with and without the decode CUDA graph) against
-the numpy backend on synthetic models with real shapes, every weight mix. Greedy tokens must
-agree up to the first near-tie of the oracle's logits; logits within a tolerance."""
+the numpy backend on synthetic models with real shapes, every weight mix.
+
+Tolerances as in tests/engine/test_oracle.py: activations are quantized to 8 bits inside every
+matmul, so a last-bit difference in a float32 sum (the GPU sums in another order) can flip one
+int8 step, which a deep model amplifies. The noise floor is measured on the numpy reference
+itself (matmul inputs jittered by 1e-6, three seeds, teacher-forced on its greedy tokens):
+- prefill logits: max |cuda - numpy| <= 3 x noise floor + 1e-3;
+- greedy tokens identical up to the first step whose numpy top-1/top-2 margin is below
+  max(0.05, 2 x noise floor) (a near-tie);
+- the CUDA-graph decode path bit-identical to the plain CUDA path."""
 
 from __future__ import annotations
 
@@ -18,7 +26,8 @@ from ntx_engine.model import Transformer, WeightLoader
 
 pytestmark = pytest.mark.gpu
 
-NEAR_TIE = 1e-3  # relative top-2 logit margin below which float rounding may pick either token
+NEAR_TIE = 0.05  # the foundation's floor for a near-tie margin (tests/engine/test_oracle.py)
+NOISE_REL = 1e-6
 STEPS = 24
 RESULTS: list[dict] = []
 
@@ -43,15 +52,34 @@ def _greedy(forward, prompt: np.ndarray, steps: int) -> tuple[list[int], list[np
     return toks, all_logits
 
 
-def _agree_until_tie(ref_toks, ref_logits, toks) -> tuple[int, bool]:
-    """Number of identical leading tokens, and whether a mismatch came after a near-tie."""
+def noise_floor(model: Transformer, seq: list[int], n_prompt: int) -> float:
+    """Max |logit change| of the numpy model when every matmul input is jittered by 1e-6."""
+    backend = model.backend
+    base = model.forward(np.asarray(seq), 0, all_logits=True)[n_prompt - 1:]
+    worst = 0.0
+    for seed in (1, 2, 3):
+        rng = np.random.default_rng(seed)
+
+        def jittered(w, x, _rng=rng):
+            x = (x * (1 + _rng.standard_normal(x.shape) * NOISE_REL)).astype(np.float32)
+            return NumpyBackend.matmul(backend, w, x)
+
+        backend.matmul = jittered
+        try:
+            out = model.forward(np.asarray(seq), 0, all_logits=True)[n_prompt - 1:]
+        finally:
+            del backend.matmul
+        worst = max(worst, float(np.abs(out - base).max()))
+    return worst
+
+
+def agree_until_tie(ref_toks, ref_logits, toks, near_tie: float) -> tuple[int, bool]:
+    """Identical leading tokens, and whether the first mismatch came at a near-tie (margin of
+    the reference's top two logits below near_tie)."""
     for i, (a, b) in enumerate(zip(ref_toks, toks)):
-        top2 = np.sort(ref_logits[i])[-2:]
-        tie = (top2[1] - top2[0]) <= NEAR_TIE * max(abs(top2[1]), 1.0)
         if a != b:
-            return i, tie
-        if tie:  # identical so far, but beyond a near-tie nothing is promised
-            return i + 1, True
+            top2 = np.sort(ref_logits[i])[-2:]
+            return i, bool(top2[1] - top2[0] < near_tie)
     return len(ref_toks), False
 
 
@@ -73,25 +101,24 @@ def test_greedy_tokens_match_numpy(cuda_backend, synth, tmp_path, shape, mix, la
     graph = DecodeGraph(_load(path, CudaBackend(), n_ctx))
     g_toks, g_logits = _greedy(graph.forward, prompt, STEPS)
 
-    scale = max(float(np.abs(ref_logits[0]).max()), 1e-6)
+    noise = noise_floor(ref, [*prompt.tolist(), *ref_toks[:-1]], len(prompt))
+    near_tie = max(NEAR_TIE, 2 * noise)
     n_cmp = min(len(logits), len(ref_logits))
     max_diff = max(float(np.abs(logits[i] - ref_logits[i]).max()) for i in range(n_cmp))
-    agree, tie = _agree_until_tie(ref_toks, ref_logits, toks)
+    agree, tie = agree_until_tie(ref_toks, ref_logits, toks, near_tie)
     problems = []
     if g_toks != toks:
         problems.append(f"the CUDA graph replay gave other tokens than the plain CUDA path: {g_toks} vs {toks}")
     if not all(np.array_equal(a, b) for a, b in zip(g_logits, logits)):
         problems.append("graph logits differ from the plain CUDA path")
     if not (agree == STEPS or tie):
-        problems.append(f"tokens diverge at step {agree} with no near-tie: {toks} vs {ref_toks}")
-    # 2e-2 of the logit range: summation order alone can flip one int8 activation rounding in a
-    # layer, which moves logits by about d*|w| (see docs/cuda.md); measured values are recorded
+        problems.append(f"tokens diverge at step {agree} with numpy margin >= {near_tie:.3f}: {toks} vs {ref_toks}")
     prefill_diff = float(np.abs(logits[0] - ref_logits[0]).max())
-    if prefill_diff > 2e-2 * scale:
-        problems.append(f"prefill logits differ by {prefill_diff} (scale {scale})")
+    if prefill_diff > 3 * noise + 1e-3:
+        problems.append(f"prefill logits differ by {prefill_diff} (noise floor {noise})")
     RESULTS.append(dict(model=f"{shape}-{mix}", layers=ref.cfg.n_layers, steps=STEPS, agree=agree,
-                        near_tie=bool(tie), prefill_logit_diff=prefill_diff, max_logit_diff=max_diff,
-                        logit_scale=scale, graph_equal=bool(g_toks == toks), problems=problems))
+                        near_tie=bool(tie), noise_floor=noise, prefill_logit_diff=prefill_diff,
+                        max_logit_diff=max_diff, graph_equal=bool(g_toks == toks), problems=problems))
     assert not problems, "; ".join(problems)
 
 
