@@ -17,6 +17,8 @@ NTX_HD float ntx_q8_q(float x, float inv) { return fminf(fmaxf(rintf(NTX_MUL(x, 
 NTX_HD void ntx_q8k_scale(float smax, float* iscale, float* d) {
     *iscale = smax != 0.f ? -127.f / smax : 0.f;
     *d = *iscale != 0.f ? 1.f / *iscale : 0.f;
+    // a tiny max overflows iscale: ggml's int8 truncation then gives all-zero quants
+    if (isinf(*iscale)) *iscale = 0.f;
 }
 
 NTX_HD float ntx_q8k_q(float x, float iscale) { return fminf(rintf(NTX_MUL(iscale, x)), 127.f); }
