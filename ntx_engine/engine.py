@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from ntx_common.errors import ModelError, UsageError
-from ntx_engine.backends import make_backend
+from ntx_engine.backends import default_device, make_backend
 from ntx_engine.chat import ChatTemplate
 from ntx_engine.config import ModelConfig
 from ntx_engine.gguf import GGUFFile
@@ -24,7 +25,7 @@ PREFILL_CHUNK = 256  # tokens per batched prefill pass: bounds the attention sco
 
 @dataclass(frozen=True)
 class EngineConfig:
-    device: str = "cpu"
+    device: str = "auto"  # "auto": cuda when a usable GPU is present, else cpu (numpy)
     matmul_mode: str = "ggml"  # "ggml": activations quantized as llama.cpp does; "exact": float32
     kv_dtype: str = "f16"
     n_ctx: int = 4096
@@ -69,14 +70,20 @@ class Engine:
     def load(cls, path: str | Path | None = None, config: EngineConfig | None = None,
              progress: Callable[[int, int], None] | None = None) -> "Engine":
         ecfg = config or EngineConfig()
+        device = default_device() if ecfg.device == "auto" else ecfg.device
         gf = GGUFFile.open(resolve_model(path))
         cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
-        backend = make_backend(ecfg.device, matmul_mode=ecfg.matmul_mode, kv_dtype=ecfg.kv_dtype)
+        backend = make_backend(device, matmul_mode=ecfg.matmul_mode, kv_dtype=ecfg.kv_dtype)
         weights = WeightLoader(gf, cfg, backend).load(progress)
         n_ctx = min(ecfg.n_ctx, cfg.context_length)
+        model = Transformer(cfg, weights, backend, n_ctx)
+        if backend.name == "cuda":  # one CUDA graph per decode step: no per-kernel Python cost
+            from ntx_engine.backends.cuda_graph import DecodeGraph
+
+            model = DecodeGraph(model)
         tok = Tokenizer.from_metadata(gf.metadata)
-        return cls(gf, cfg, Transformer(cfg, weights, backend, n_ctx), tok,
-                   ChatTemplate.from_metadata(gf.metadata, tok), ecfg)
+        return cls(gf, cfg, model, tok, ChatTemplate.from_metadata(gf.metadata, tok),
+                   dataclasses.replace(ecfg, device=device))
 
     @property
     def model_name(self) -> str:
@@ -131,8 +138,9 @@ class Engine:
         st.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         st.stop_reason = "length"
+        device_greedy = self._device_greedy(smp)
         for step in range(max_tokens):
-            tok = smp.sample(logits, ids)
+            tok = smp.sample(logits, ids) if logits is not None else next_tok
             ids.append(tok)
             st.tokens.append(tok)
             st.generated += 1
@@ -145,9 +153,16 @@ class Engine:
                 st.stop_reason = "context"
                 break
             if step + 1 < max_tokens:
-                logits = self.model.forward(np.asarray([tok]), len(ids) - 1)[-1]
+                if device_greedy:  # the GPU picks the argmax: only the token id comes back
+                    logits, next_tok = None, self.model.greedy(tok, len(ids) - 1)
+                else:
+                    logits = self.model.forward(np.asarray([tok]), len(ids) - 1)[-1]
                 self._cached = list(ids)
         st.decode_s = time.perf_counter() - t1
+
+    def _device_greedy(self, smp: Sampler) -> bool:
+        cfg = smp.cfg
+        return hasattr(self.model, "greedy") and cfg.temperature <= 0 and cfg.repeat_penalty == 1.0
 
     def _check_ids(self, ids: Sequence[int]) -> None:
         if len(ids) == 0:

@@ -30,7 +30,7 @@ def run(
     chat: Annotated[bool, typer.Option("--chat", help="Interactive chat with the model's template.")] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="System message (chat template).")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Plain completion: do not apply the chat template.")] = False,
-    device: Annotated[str, typer.Option(help="cpu (numpy reference backend).")] = "cpu",
+    device: Annotated[str, typer.Option(help="auto (cuda when a GPU is usable), cpu (numpy), cuda or cuda:N.")] = "auto",
     ctx: Annotated[int, typer.Option("--ctx", min=16, help="Context length (tokens).")] = 4096,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,

@@ -91,7 +91,8 @@ def run_once(opts: RunOptions, prompt: str) -> dict[str, Any] | None:
         if not opts.json:
             return None
         return {
-            "model": str(engine.gguf.path), "templated": templated, "prompt_tokens": ids,
+            "model": str(engine.gguf.path), "device": engine.engine_config.device,
+            "templated": templated, "prompt_tokens": ids,
             "tokens": stats.tokens, "text": engine.detokenize(
                 [t for t in stats.tokens if not engine.tokenizer.is_eog(t)]),
             "prefill_tok_s": stats.prefill_tok_s, "decode_tok_s": stats.decode_tok_s,
