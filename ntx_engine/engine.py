@@ -138,7 +138,7 @@ class Engine:
         st.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         st.stop_reason = "length"
-        device_greedy = self._device_greedy(smp)
+        device_greedy, next_tok = self._device_greedy(smp), -1
         for step in range(max_tokens):
             tok = smp.sample(logits, ids) if logits is not None else next_tok
             ids.append(tok)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ntx_engine import quants, rope
+from ntx_engine import matmul, quants, rope
 from ntx_engine.config import ModelConfig
 
 KV_DTYPES = {"f16": np.float16, "f32": np.float32}
@@ -31,16 +31,16 @@ class NumpyBackend:
 
     # weights ---------------------------------------------------------------------------
     def matrix(self, raw, ggml_type, shape, name):
-        return quants.MatmulWeight.from_raw(raw, ggml_type, shape, name)
+        return matmul.MatmulWeight.from_raw(raw, ggml_type, shape, name)
 
     def vector(self, raw, ggml_type, n, name):
         return quants.dequantize(raw, ggml_type, (n,), name).astype(np.float32)
 
     # ops -------------------------------------------------------------------------------
-    def embed(self, table: quants.MatmulWeight, ids: np.ndarray) -> np.ndarray:
+    def embed(self, table: matmul.MatmulWeight, ids: np.ndarray) -> np.ndarray:
         return table.rows(np.asarray(ids, dtype=np.int64)).astype(np.float32)
 
-    def matmul(self, w: quants.MatmulWeight, x: np.ndarray) -> np.ndarray:
+    def matmul(self, w: matmul.MatmulWeight, x: np.ndarray) -> np.ndarray:
         return w.matmul(x, self.matmul_mode)
 
     def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

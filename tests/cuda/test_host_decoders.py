@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ntx_engine import quants
+from ntx_engine import matmul, quants
 from ntx_engine.quants import GGMLType
 
 TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0,
@@ -58,9 +58,9 @@ def test_activation_quantization_matches_numpy(host_check, vdt):
     x[1, 5] = -x[1, :256].__abs__().max() * 1.0  # a tie in magnitude (first index wins for Q8_K)
     x[1, 7] = -x[1, 5]
     x[2, 256:512] *= np.float32(1e-38)  # 127/amax overflows: ggml quantizes the block to zeros
-    ref = quants.quantize_activations(x, vdt)
+    ref = matmul.quantize_activations(x, vdt)
     if vdt == GGMLType.Q8_1:  # s = fp16(d * sum(q)): bytes 2..3 of each block ggml writes
-        ref_s = quants.quantize_blocks(x, vdt)[:, 2:4].copy().view("<f2").astype(np.float32)
+        ref_s = matmul.quantize_blocks(x, vdt)[:, 2:4].copy().view("<f2").astype(np.float32)
     out = np.full_like(x, np.nan)
     if vdt in (GGMLType.Q8_0, GGMLType.Q8_1):
         s = np.full(x.size // 32, np.nan, np.float32)

@@ -6,7 +6,8 @@ import pytest
 
 from ntx_common.errors import GGUFError, UnsupportedQuantError
 from ntx_engine.gguf import GGUFFile
-from ntx_engine.quants import GGML_BLOCK_SIZES, GGMLType, MatmulWeight, dequantize, quant_type
+from ntx_engine.matmul import MatmulWeight
+from ntx_engine.quants import GGML_BLOCK_SIZES, GGMLType, dequantize, quant_type
 
 gguf = pytest.importorskip("gguf", reason="gguf-py is the oracle: install .[test]")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402

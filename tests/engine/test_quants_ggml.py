@@ -28,8 +28,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from ntx_engine.quants import (GGML_BLOCK_SIZES, GGMLType, MatmulWeight, dequantize,
-                               quant_type, quantize_activations, quantize_blocks)
+from ntx_engine.matmul import MatmulWeight, quantize_activations, quantize_blocks
+from ntx_engine.quants import GGML_BLOCK_SIZES, GGMLType, dequantize, quant_type
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python ships the ggml oracle: install .[test]")
 from ggml_ref import ggml, quantize_chunk  # noqa: E402
