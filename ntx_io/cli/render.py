@@ -20,7 +20,7 @@ def progress_bar(label: str, total: int):
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), console=err, transient=True) as bar:
+                  TransferSpeedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task(escape(label), total=total)
         yield lambda n: bar.advance(task, n)
 

@@ -169,6 +169,7 @@ def test_a_timeout_fences_the_device_until_reset(run, disk):
 
 
 def test_the_gil_is_released_while_polling(run):
+    assert run["gil"]["commands"] == 32 * 16  # 8 MiB reads in MDTS-sized commands
     assert run["gil"]["stamps_inside_wait"] > 0, run["gil"]
 
 
