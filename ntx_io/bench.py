@@ -1,9 +1,9 @@
 """`ntx-io bench`: sequential read bandwidth per reader, against the disk's own `dd iflag=direct`
 figure, plus host-to-device bandwidth from the pinned buffers when a GPU is present.
 
-Each reader streams the same bytes into a registered `PinnedBuffer` in windows of `inflight`
-requests of `chunk` bytes, the next window in flight while the previous one is waited for -
-the way the engine's reader thread drives it. Every figure is GB/s = 1e9 bytes per second.
+Each reader streams the same bytes into a registered `PinnedBuffer` ring, `inflight` requests
+of `chunk` bytes in flight at all times (a new one as the oldest lands) - the way the engine's
+reader thread drives it. Every figure is GB/s = 1e9 bytes per second.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -91,31 +92,33 @@ def drop_cache(path: str) -> None:
 
 def bench_read(reader, reason: str, nbytes: int, *, chunk: int = 8 << 20, inflight: int = 8,
                progress: Progress | None = None) -> ReadBench:
-    """Stream [0, nbytes) of `reader` through a registered pinned buffer; time it."""
+    """Stream [0, nbytes) of `reader` through a registered pinned ring of `inflight` slots of
+    `chunk` bytes, keeping `inflight` requests in flight (a new one as the oldest lands)."""
     nbytes = min(nbytes, reader.size)
-    window = chunk * inflight
-    with PinnedBuffer(2 * window, hugepages=True if reader.needs_hugepages else None) as buf:
+    with PinnedBuffer(chunk * inflight, hugepages=True if reader.needs_hugepages else None) as buf:
         reader.register(buf)
-        halves = [buf.view()[:window], buf.view()[window:]]
-        pending, k = None, 0
+        ring = buf.view()
+        slots = [ring[k * chunk: (k + 1) * chunk] for k in range(inflight)]
+        pending: deque = deque()
         t0 = time.perf_counter()
-        for start in range(0, nbytes, window):
-            half = halves[k % 2]
-            reqs = [(o, min(chunk, nbytes - o), half[o - start: o - start + min(chunk, nbytes - o)])
-                    for o in range(start, min(start + window, nbytes), chunk)]
-            handle = reader.submit(reqs)
-            if pending is not None:
-                reader.wait(pending[0])
-                progress and progress(pending[1])
-            pending, k = (handle, sum(r[1] for r in reqs)), k + 1
-        if pending is not None:
-            reader.wait(pending[0])
-            progress and progress(pending[1])
+        for k, offset in enumerate(range(0, nbytes, chunk)):
+            if len(pending) == inflight:
+                _land(reader, pending.popleft(), progress)
+            n = min(chunk, nbytes - offset)
+            pending.append((reader.submit([(offset, n, slots[k % inflight][:n])]), n))
+        while pending:
+            _land(reader, pending.popleft(), progress)
         seconds = time.perf_counter() - t0
-        reqs = pending = None
-        for h in halves:
-            h.release()
+        del slots
+        ring.release()
     return ReadBench(reader.name, reason, nbytes, seconds, chunk, inflight)
+
+
+def _land(reader, item, progress: Progress | None) -> None:
+    handle, n = item
+    reader.wait(handle)
+    if progress:
+        progress(n)
 
 
 def dd_direct_gbps(path: str, nbytes: int, streams: int = 1, bs: int = 8 << 20) -> float | None:
