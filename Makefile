@@ -20,7 +20,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip wheel setuptools cffi
 
-$(BIN)/ntx-run: $(BIN)/python pyproject.toml
+NATIVE_SRC  := setup.py $(wildcard native/nvme/*.c native/nvme/*.h native/nvme/*.py)
+
+$(BIN)/ntx-run: $(BIN)/python pyproject.toml $(NATIVE_SRC)
 	$(PIP) install -q -e .
 	touch $@
 
@@ -35,7 +37,7 @@ llama-wheel:
 	  echo "building llama-cpp-python $(LLAMA_CPP) from source (once; cached in $(WHEELS))"; \
 	  CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF" $(PIP) wheel --no-deps -w $(WHEELS) llama-cpp-python==$(LLAMA_CPP); }
 
-.venv/.test: $(BIN)/ntx-run llama-wheel pyproject.toml
+.venv/.test: $(BIN)/ntx-run llama-wheel pyproject.toml $(NATIVE_SRC)
 	$(PIP) install -q --find-links $(WHEELS) -e '.[test,demo]'
 	touch $@
 

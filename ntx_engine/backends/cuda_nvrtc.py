@@ -59,9 +59,11 @@ def cache_key(source: str, arch: str, kernel_dir: Path = KERNEL_DIR) -> str:
 
 def _program_log(nvrtc, prog) -> str:
     size = check_nvrtc(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-    buf = b" " * size
+    # a fresh mutable buffer: NVRTC writes into it, and `b" " * 1` would be CPython's shared
+    # one-byte bytes object (an empty log has size 1), corrupting it for the whole process
+    buf = bytearray(size)
     check_nvrtc(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-    return buf.rstrip(b"\0 ").decode(errors="replace")
+    return bytes(buf).rstrip(b"\0 ").decode(errors="replace")
 
 
 def compile_cubin(source: str, arch: str, kernel_dir: Path = KERNEL_DIR) -> tuple[bytes, str]:
@@ -78,9 +80,9 @@ def compile_cubin(source: str, arch: str, kernel_dir: Path = KERNEL_DIR) -> tupl
         log = _program_log(nvrtc, prog)
         check_nvrtc((err,), f"nvrtcCompileProgram({source}, {arch})", log)
         size = check_nvrtc(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = bytearray(size)
         check_nvrtc(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return cubin, log
+        return bytes(cubin), log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
