@@ -59,14 +59,34 @@ def timed(fn, backend) -> float:
     return time.perf_counter() - t0
 
 
-def run(path: Path, n_prompt: int, n_decode: int, n_ctx: int, matvec: str = "staged") -> dict:
+def kernel_times(model, backend, token: int, pos: int, reps: int = 3) -> dict:
+    """Per-kernel GPU time of one plain decode step (CUDA events around every launch; mean of
+    reps steps): {kernel name: {"ms": total per token, "launches": per token}}, slowest first."""
+    from collections import defaultdict
+
+    totals: dict = defaultdict(float)
+    counts: dict = defaultdict(int)
+    for r in range(reps):
+        backend.k.profile = []
+        model.forward(np.asarray([token]), pos + r)
+        backend.synchronize()
+        for name, e0, e1 in backend.k.profile:
+            totals[name] += e1.elapsed_ms(e0) / reps
+            counts[name] += 1
+        backend.k.profile = None
+    order = sorted(totals, key=totals.get, reverse=True)
+    return {n: {"ms": round(totals[n], 4), "launches": counts[n] // reps} for n in order}
+
+
+def run(path: Path, n_prompt: int, n_decode: int, n_ctx: int, matvec: str = "fast", attn: str = "split",
+        pdl: bool | None = None, fuse: bool | None = None) -> dict:
     from ntx_engine.backends.cuda_backend import CudaBackend
     from ntx_engine.backends.cuda_graph import DecodeGraph
     from ntx_engine.config import ModelConfig
     from ntx_engine.gguf import GGUFFile
     from ntx_engine.model import Transformer, WeightLoader
 
-    b = CudaBackend(matvec=matvec)
+    b = CudaBackend(matvec=matvec, attn=attn, pdl=pdl, fuse=fuse)
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
     t0 = time.perf_counter()
@@ -97,16 +117,32 @@ def run(path: Path, n_prompt: int, n_decode: int, n_ctx: int, matvec: str = "sta
     plain_s = timed(decode_plain, b)
     graph.greedy(int(prompt[-1]), n_prompt)  # capture
     graph_s = timed(decode_graph, b)
+    kernels = kernel_times(model, b, int(prompt[-1]), n_prompt + n_decode)
     bw = copy_bandwidth(b)
     per_tok, total = weight_bytes(weights)
     kv = 2 * cfg.n_layers * (n_prompt + n_decode // 2) * cfg.kv_dim * 2  # f16 K and V read, mean context
     tok_s = n_decode / graph_s
-    return dict(model=str(path.name), matvec=matvec, device=b.device.name, arch=b.device.arch, n_layers=cfg.n_layers,
+    return dict(model=str(path.name), matvec=matvec, attn=attn, pdl=b.k.pdl, fuse=b.fuse, device=b.device.name, arch=b.device.arch, n_layers=cfg.n_layers,
                 weights_gb=total / 1e9, bytes_per_token_gb=(per_tok + kv) / 1e9, load_s=load_s,
                 prefill_tokens=n_prompt, prefill_tok_s=n_prompt / pre_s,
                 decode_tokens=n_decode, decode_tok_s_graph=tok_s, decode_tok_s_plain=n_decode / plain_s,
                 copy_bw_gb_s=bw / 1e9, hbm_bound_tok_s=bw / (per_tok + kv),
-                achieved_gb_s=(per_tok + kv) * tok_s / 1e9, fraction_of_bound=(per_tok + kv) * tok_s / bw)
+                achieved_gb_s=(per_tok + kv) * tok_s / 1e9, fraction_of_bound=(per_tok + kv) * tok_s / bw,
+                kernel_ms_per_token=round(sum(v["ms"] for v in kernels.values()), 4),
+                decode_ms_per_token_graph=1e3 / tok_s, kernels=kernels)
+
+
+def synthetic_model(spec: str, workdir: Path) -> Path:
+    """The GGUF for SHAPE:MIX[:LAYERS] under workdir, written by make_synthetic_model.py once."""
+    import make_synthetic_model as msm
+
+    shape, mix, *layers = spec.split(":")
+    path = workdir / f"synthetic-{shape}-{mix}{'-' + layers[0] if layers else ''}.gguf"
+    if not path.exists():
+        t0 = time.perf_counter()
+        msm.write_model(path, shape, mix, int(layers[0]) if layers else None)
+        print(f"wrote {path} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,19 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-ctx", type=int, default=1024)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp"))
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--matvec", choices=["staged", "direct"], default="staged", help="matvec kernel variant")
+    ap.add_argument("--matvec", choices=["fast", "staged", "direct"], default="fast", help="matvec kernel variant")
+    ap.add_argument("--attn", choices=["split", "single"], default="split", help="decode attention variant")
     a = ap.parse_args(argv)
-    path = a.model
-    if a.synthetic:
-        import make_synthetic_model as msm
-
-        shape, mix, *layers = a.synthetic.split(":")
-        path = a.workdir / f"synthetic-{shape}-{mix}{'-' + layers[0] if layers else ''}.gguf"
-        if not path.exists():
-            t0 = time.perf_counter()
-            msm.write_model(path, shape, mix, int(layers[0]) if layers else None)
-            print(f"wrote {path} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    res = run(path, a.prompt, a.decode, a.n_ctx, a.matvec)
+    path = synthetic_model(a.synthetic, a.workdir) if a.synthetic else a.model
+    res = run(path, a.prompt, a.decode, a.n_ctx, a.matvec, a.attn)
     text = json.dumps(res, indent=1)
     print(text)
     if a.json:

@@ -40,6 +40,7 @@ extern "C" __global__ void attention(const float* __restrict__ q, const uint16_t
                                      const uint16_t* __restrict__ vc, float* __restrict__ out,
                                      const int* __restrict__ pos, int n_head, int n_kv, int hd,
                                      float scale) {
+    NTX_PDL();
     extern __shared__ double smem_d[];
     double* red_d = smem_d;                      // 32
     float* red = reinterpret_cast<float*>(smem_d + 32);
@@ -82,4 +83,92 @@ extern "C" __global__ void attention(const float* __restrict__ q, const uint16_t
         for (int i = 0; i < G; ++i) s += part[i * hd + d];
         out[((size_t)t * n_head + h) * hd + d] = s;
     }
+}
+
+// --- split attention (flash-decoding): the context in chunks of ATTN_CHUNK positions, one block
+// per (head, chunk, token), so a decode step over a long context uses the whole GPU. Same
+// rounding as `attention`: the global max and the double softmax sum are formed before any
+// probability is rounded to fp16, so each chunk's p.V uses exactly the probabilities above.
+// The grid spans n_ctx (a captured graph replays at any position); chunks past pos[t] exit.
+#define ATTN_CHUNK 64
+#define ATTN_SPLIT_THREADS 256
+
+// Pass 1: scores (n, n_head, n_ctx) = scale * fp16(q) . k; cmax (n, n_head, nchunk) chunk maxima.
+extern "C" __global__ void __launch_bounds__(ATTN_SPLIT_THREADS)
+attn_scores(const float* __restrict__ q, const uint16_t* __restrict__ kc, float* __restrict__ scores,
+            float* __restrict__ cmax, const int* __restrict__ pos, int n_head, int n_kv, int hd,
+            int n_ctx, float scale) {
+    NTX_PDL();
+    __shared__ float qs[256], red[32];
+    const int h = blockIdx.x, c = blockIdx.y, t = blockIdx.z, nchunk = gridDim.y;
+    const int T = pos[t] + 1, p0 = c * ATTN_CHUNK, p1 = min(p0 + ATTN_CHUNK, T);
+    if (p0 >= T) return;  // the whole block
+    const int kvh = h / (n_head / n_kv), kv_dim = n_kv * hd;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const float* qh = q + ((size_t)t * n_head + h) * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = ntx_round_f16(qh[d]);
+    __syncthreads();
+    float* sc = scores + ((size_t)t * n_head + h) * n_ctx;
+    float m = -3.402823466e38f;
+    for (int p = p0 + warp; p < p1; p += nw) {
+        const uint16_t* kr = kc + (size_t)p * kv_dim + kvh * hd;
+        float s = 0.f;
+        for (int d = lane; d < hd; d += 32) s += qs[d] * ntx_h2f(kr[d]);
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        s *= scale;
+        if (lane == 0) sc[p] = s;
+        m = fmaxf(m, s);
+    }
+    m = block_max(m, red);
+    if (threadIdx.x == 0) cmax[((size_t)t * n_head + h) * nchunk + c] = m;
+}
+
+// Pass 2: per chunk, p = fp16(exp(s - M) / sum) with the global M and double sum (each block
+// forms them from pass 1's output), then part (n, n_head, nchunk, hd) = p . V over the chunk.
+extern "C" __global__ void __launch_bounds__(ATTN_SPLIT_THREADS)
+attn_pv(const float* __restrict__ scores, const float* __restrict__ cmax, const uint16_t* __restrict__ vc,
+        float* __restrict__ part, const int* __restrict__ pos, int n_head, int n_kv, int hd, int n_ctx) {
+    NTX_PDL();
+    __shared__ double red_d[32];
+    __shared__ float red[32], prob[ATTN_CHUNK], acc_s[ATTN_SPLIT_THREADS];
+    const int h = blockIdx.x, c = blockIdx.y, t = blockIdx.z, nchunk = gridDim.y;
+    const int T = pos[t] + 1, p0 = c * ATTN_CHUNK, p1 = min(p0 + ATTN_CHUNK, T);
+    if (p0 >= T) return;
+    const int used = (T + ATTN_CHUNK - 1) / ATTN_CHUNK;
+    const size_t th = (size_t)t * n_head + h;
+    float m = -3.402823466e38f;
+    for (int i = threadIdx.x; i < used; i += blockDim.x) m = fmaxf(m, cmax[th * nchunk + i]);
+    m = block_max(m, red);
+    const float* sc = scores + th * n_ctx;
+    double sum = 0.0;
+    for (int p = threadIdx.x; p < T; p += blockDim.x) sum += (double)expf(sc[p] - m);
+    sum = block_sum_d(sum, red_d);
+    for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x)
+        prob[p - p0] = ntx_round_f16((float)((double)expf(sc[p] - m) / sum));
+    __syncthreads();
+    const int kvh = h / (n_head / n_kv), kv_dim = n_kv * hd;
+    const int d = threadIdx.x % hd, g = threadIdx.x / hd, G = blockDim.x / hd;
+    float acc = 0.f;
+    if (g < G)
+        for (int p = p0 + g; p < p1; p += G) acc += prob[p - p0] * ntx_h2f(vc[(size_t)p * kv_dim + kvh * hd + d]);
+    acc_s[threadIdx.x] = acc;
+    __syncthreads();
+    if (g == 0) {
+        float s = 0.f;
+        for (int i = 0; i < G; ++i) s += acc_s[i * hd + d];
+        part[(th * nchunk + c) * hd + d] = s;
+    }
+}
+
+// Pass 3: out (n, n_head*hd) = the sum of the used chunks' parts, in chunk order (deterministic).
+extern "C" __global__ void attn_reduce(const float* __restrict__ part, float* __restrict__ out,
+                                       const int* __restrict__ pos, int n_head, int hd, int nchunk) {
+    NTX_PDL();
+    const int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
+    if (d >= hd) return;
+    const int used = (pos[t] + ATTN_CHUNK) / ATTN_CHUNK;  // ceil((pos + 1) / CHUNK)
+    const size_t th = (size_t)t * n_head + h;
+    float s = 0.f;
+    for (int c = 0; c < used; ++c) s += part[(th * nchunk + c) * hd + d];
+    out[th * hd + d] = s;
 }

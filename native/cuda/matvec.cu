@@ -133,7 +133,7 @@ __device__ void embed_body(const uint8_t* __restrict__ W, const int* __restrict_
 #define NTX_MATVEC_VARIANT(T, name, variant, body, N)                                          \
     extern "C" __global__ void __launch_bounds__(NTX_WARPS * 32)                                \
     variant##_##name##_n##N(const uint8_t* W, const float* X, const float* S, float* Y, int rows, \
-                            int k, int n) { body<T, N>(W, X, S, Y, rows, k, n); }
+                            int k, int n) { NTX_PDL(); body<T, N>(W, X, S, Y, rows, k, n); }
 
 // matvec_*: staged (the default); matvecd_*: direct, kept as the measured baseline
 #define NTX_MATVEC(T, name)                                                                     \
@@ -142,7 +142,7 @@ __device__ void embed_body(const uint8_t* __restrict__ W, const int* __restrict_
     NTX_MATVEC_VARIANT(T, name, matvecd, matvec_direct, 1)                                     \
     NTX_MATVEC_VARIANT(T, name, matvecd, matvec_direct, 8)                                     \
     extern "C" __global__ void embed_##name(const uint8_t* W, const int* ids, float* out,      \
-                                            int k) { embed_body<T>(W, ids, out, k); }
+                                            int k) { NTX_PDL(); embed_body<T>(W, ids, out, k); }
 
 NTX_FOR_EACH_TYPE(NTX_MATVEC)
 
@@ -156,6 +156,7 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // Q8_0 (s == nullptr) and Q8_1 (s: fp16(d * sum(q)) per block)
 extern "C" __global__ void quant_q8_1(const float* x, float* x_hat, float* s, int nblocks) {
+    NTX_PDL();
     const int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (b >= nblocks) return;  // b is the same for the whole warp
     const float v = x[32 * (size_t)b + lane];
@@ -170,6 +171,7 @@ extern "C" __global__ void quant_q8_1(const float* x, float* x_hat, float* s, in
 }
 
 extern "C" __global__ void quant_q8_k(const float* x, float* x_hat, int nblocks) {
+    NTX_PDL();
     const int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (b >= nblocks) return;
     const float* xb = x + 256 * (size_t)b;
@@ -192,17 +194,20 @@ extern "C" __global__ void quant_q8_k(const float* x, float* x_hat, int nblocks)
 }
 
 extern "C" __global__ void round_f16(const float* x, float* out, int total) {
+    NTX_PDL();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < total) out[i] = ntx_round_f16(x[i]);
 }
 
 extern "C" __global__ void round_bf16(const float* x, float* out, int total) {
+    NTX_PDL();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < total) out[i] = ntx_round_bf16(x[i]);
 }
 
 // Plain per-32 sums of x: the Q4_1/Q5_1 min term when activations stay float32 ("exact" mode).
 extern "C" __global__ void block_sum32(const float* x, float* s, int nblocks) {
+    NTX_PDL();
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= nblocks) return;
     float acc = 0.f;

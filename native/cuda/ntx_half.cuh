@@ -24,6 +24,15 @@ typedef unsigned long long uint64_t;
 
 #define NTX_HD __host__ __device__ __forceinline__
 
+// Programmatic dependent launch (Hopper): every kernel first waits for the grid before it in the
+// stream to complete (a no-op when launched without the PDL attribute), then lets the next grid
+// be scheduled, so its blocks fill the SMs freed in this grid's last wave (launch gap hidden).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define NTX_PDL() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define NTX_PDL() do {} while (0)
+#endif
+
 NTX_HD uint32_t ntx_f32_bits(float f) {
 #ifdef __CUDA_ARCH__
     return __float_as_uint(f);

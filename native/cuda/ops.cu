@@ -1,26 +1,13 @@
 // Element-wise and row-wise transformer ops, rounded the way the numpy backend rounds them.
 #include "ntx_half.cuh"
+#include "rmsnorm.cuh"
 
 // out (n, k) = x * (1 / sqrt(mean(x^2) + eps)) * w; the mean is summed in double as ggml does.
 extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __restrict__ w,
                                    float* __restrict__ out, int k, float eps) {
+    NTX_PDL();
     __shared__ double part[32];
-    const float* xr = x + (size_t)blockIdx.x * k;
-    double s = 0.0;
-    for (int i = threadIdx.x; i < k; i += blockDim.x) s += (double)xr[i] * (double)xr[i];
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double t = 0.0;
-        for (int i = 0; i < (int)(blockDim.x >> 5); ++i) t += part[i];
-        part[0] = t;
-    }
-    __syncthreads();
-    const float mean = (float)(part[0] / (double)k);
-    const float scale = 1.0f / sqrtf(mean + eps);
-    for (int i = threadIdx.x; i < k; i += blockDim.x)
-        out[(size_t)blockIdx.x * k + i] = __fmul_rn(__fmul_rn(xr[i], scale), w[i]);
+    ntx_rmsnorm_row(x + (size_t)blockIdx.x * k, w, out + (size_t)blockIdx.x * k, k, eps, part);
 }
 
 // RoPE on x (n, n_heads*head_dim) -> out. theta_i = pos * scale^i as a running float32 product
@@ -31,6 +18,7 @@ extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__
                                 const int* __restrict__ pos, const float* __restrict__ ff,
                                 int n_heads, int head_dim, int rope_dim, float scale,
                                 float freq_scale, int neox) {
+    NTX_PDL();
     const int t = blockIdx.y, half_hd = head_dim / 2;
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n_heads * half_hd) return;
@@ -55,12 +43,14 @@ extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__
 }
 
 extern "C" __global__ void swiglu(const float* g, const float* u, float* out, int total) {
+    NTX_PDL();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < total) out[i] = __fmul_rn(__fdiv_rn(g[i], __fadd_rn(1.0f, expf(-g[i]))), u[i]);
 }
 
 // out = a + b, b broadcast over rows when its length (b_len) is shorter than total.
 extern "C" __global__ void add(const float* a, const float* b, float* out, int total, int b_len) {
+    NTX_PDL();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < total) out[i] = __fadd_rn(a[i], b[i % b_len]);
 }
@@ -68,6 +58,7 @@ extern "C" __global__ void add(const float* a, const float* b, float* out, int t
 // Append k, v (n, kv_dim) float32 at positions pos[0..n) of one layer's F16 caches (n_ctx, kv_dim).
 extern "C" __global__ void kv_store(const float* k, const float* v, uint16_t* kc, uint16_t* vc,
                                     const int* pos, int kv_dim) {
+    NTX_PDL();
     const int t = blockIdx.y;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= kv_dim) return;
@@ -78,6 +69,7 @@ extern "C" __global__ void kv_store(const float* k, const float* v, uint16_t* kc
 
 // Index of the largest logit (the first on ties, as numpy's argmax); one block of 1024.
 extern "C" __global__ void argmax(const float* x, int n, int* out) {
+    NTX_PDL();
     __shared__ float bv[1024];
     __shared__ int bi[1024];
     float best = -3.402823466e38f;
@@ -100,3 +92,4 @@ extern "C" __global__ void argmax(const float* x, int n, int* out) {
     }
     if (threadIdx.x == 0) *out = bi[0];
 }
+

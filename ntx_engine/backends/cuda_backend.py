@@ -15,7 +15,8 @@ import numpy as np
 from ntx_common.errors import UnsupportedQuantError, UsageError
 from ntx_engine import quants
 from ntx_engine.backends.cuda_driver import DeviceArray, MemoryPool, Stream, Device, download, upload
-from ntx_engine.backends.cuda_kernels import BLOCK_ELEMENTS, KERNEL_TYPES, MATVEC_MAX_TOKENS, Kernels
+from ntx_engine.backends.cuda_kernels import (ATTN_CHUNK, BLOCK_ELEMENTS, KERNEL_TYPES, MATVEC_MAX_TOKENS, Kernels,
+                                             fast_matvec_ok)
 from ntx_engine.config import ROPE_NEOX, ModelConfig
 from ntx_engine.quants import GGMLType
 
@@ -37,17 +38,27 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, matmul_mode: str = "ggml", kv_dtype: str = "f16", device: int = 0,
-                 cache_dir=None, matvec: str | None = None) -> None:
+                 cache_dir=None, matvec: str | None = None, attn: str | None = None,
+                 pdl: bool | None = None, fuse: bool | None = None) -> None:
         if matmul_mode not in ("ggml", "exact"):
             raise ValueError(f"matmul_mode must be 'ggml' or 'exact', got {matmul_mode!r}")
         if kv_dtype != "f16":
             raise UsageError(f"the CUDA backend keeps its KV cache in f16 only, not {kv_dtype!r}")
         self.matmul_mode = matmul_mode
+        # "split": decode attention in ATTN_CHUNK-position blocks (flash-decoding); "single": one block a head
+        self.attn = attn or os.environ.get("NTX_CUDA_ATTN", "split")
+        if self.attn not in ("split", "single"):
+            raise UsageError(f"attention variant must be 'split' or 'single', got {self.attn!r} (NTX_CUDA_ATTN)")
         self.device = Device(device)
         self.stream = Stream()
         self.pool = MemoryPool()
-        self.k = Kernels(self.device, cache_dir, matvec or os.environ.get("NTX_CUDA_MATVEC", "staged"))
+        self.k = Kernels(self.device, cache_dir, matvec or os.environ.get("NTX_CUDA_MATVEC", "fast"), pdl)
         self.cfg: ModelConfig | None = None
+        # fuse: rmsnorm also quantizes its output for the next matmul (NTX_CUDA_FUSE=1), in the
+        # format the fast matmuls fed by an rmsnorm asked for last (_norm_key; learned in matmul)
+        self.fuse = fuse if fuse is not None else os.environ.get("NTX_CUDA_FUSE", "0") == "1"
+        self._norm_key: tuple | None = None
+        self._last_norm: DeviceArray | None = None
         self.capturing = False
         self._staged: tuple | None = None  # (positions tuple) last uploaded to pos_buf
         self._act_cache: tuple | None = None  # (x, (vec_dot_type, has_min), (x_hat, s))
@@ -97,23 +108,43 @@ class CudaBackend:
         rows = w.shape[0]
         if k != w.shape[1]:
             raise ValueError(f"{w.name}: cannot multiply {x.shape} by weight {w.shape}")
-        xq, s = self._activations(w, x)
         y = self._new(n, rows)
+        if self.uses_fast(w):
+            if x is self._last_norm:
+                self._norm_key = (w.vec_dot_type, w.has_min, True)
+            xq, (xd, xs) = self._activations(w, x, int8=True)
+            for t0 in range(0, n, MATVEC_MAX_TOKENS):
+                m = min(MATVEC_MAX_TOKENS, n - t0)
+                self.k.matvec_fast(w.ggml_type, w.data, xq[t0:t0 + m], xd[t0:t0 + m], xs[t0:t0 + m],
+                                   y[t0:t0 + m], rows, k, m, self.stream)
+            return y
+        xq, s = self._activations(w, x)
         for t0 in range(0, n, MATVEC_MAX_TOKENS):
             m = min(MATVEC_MAX_TOKENS, n - t0)
             self.k.matvec(w.ggml_type, w.data, xq[t0:t0 + m], None if s is None else s[t0:t0 + m],
                           y[t0:t0 + m], rows, k, m, self.stream)
         return y
 
-    def _activations(self, w: CudaWeight, x: DeviceArray) -> tuple[DeviceArray, DeviceArray | None]:
+    def uses_fast(self, w: CudaWeight) -> bool:
+        """Whether w goes through matvec_fast.cu's dp4a kernels (ggml mode, aligned rows)."""
+        return self.k.fast and self.matmul_mode == "ggml" and fast_matvec_ok(w.ggml_type, w.data.ptr, w.shape[1])
+
+    def _activations(self, w: CudaWeight, x: DeviceArray, int8: bool = False) -> tuple:
         """x quantized for w's vec_dot_type; reused while the same x feeds several weights
-        (q/k/v, gate/up): ops never write their inputs, so x's values cannot have changed."""
-        key = (w.vec_dot_type, w.has_min)
+        (q/k/v, gate/up): ops never write their inputs, so x's values cannot have changed.
+        int8: (xq int8, (xd, xs)) for the dp4a kernels, else (x_hat, s)."""
+        key = (w.vec_dot_type, w.has_min, int8)
         if self._act_cache is not None and self._act_cache[0] is x and self._act_cache[1] == key:
             return self._act_cache[2]
-        result = self._quantize(w, x)
+        result = self._quantize_int8(w, x) if int8 else self._quantize(w, x)
         self._act_cache = (x, key, result)
         return result
+
+    def _quantize_int8(self, w: CudaWeight, x: DeviceArray) -> tuple:
+        n, k = x.shape
+        xq, xd, xs = self._new(n, k, dtype=np.int8), self._new(n, k // 32), self._new(n, k // 32)
+        self.k.quantize_int8(w.vec_dot_type, x, xq, xd, xs, self.stream)
+        return xq, (xd, xs)
 
     def _quantize(self, w: CudaWeight, x: DeviceArray) -> tuple[DeviceArray, DeviceArray | None]:
         n, k = x.shape
@@ -128,7 +159,16 @@ class CudaBackend:
 
     def rmsnorm(self, x: DeviceArray, w: DeviceArray, eps: float) -> DeviceArray:
         out = self._new(*x.shape)
-        self.k.rmsnorm(x, w, out, eps, self.stream)
+        key, (n, k) = self._norm_key, x.shape
+        q8k = key is not None and key[0] == GGMLType.Q8_K
+        if not self.fuse or key is None or key[0] not in (GGMLType.Q8_0, GGMLType.Q8_1, GGMLType.Q8_K) \
+                or k % (256 if q8k else 32):
+            self.k.rmsnorm(x, w, out, eps, self.stream)
+        else:  # the act cache then hands the next matmul(s) on `out` these int8 values
+            xq, xd, xs = self._new(n, k, dtype=np.int8), self._new(n, k // 32), self._new(n, k // 32)
+            self.k.rmsnorm_quanti(x, w, out, xq, xd, xs, eps, q8k, self.stream)
+            self._act_cache = (out, key, (xq, (xd, xs)))
+        self._last_norm = out
         return out
 
     def rope(self, x: DeviceArray, positions: np.ndarray, n_heads: int) -> DeviceArray:
@@ -148,6 +188,13 @@ class CudaBackend:
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         self.k.kv_store(k, v, kc, vc, self.pos_buf, c.kv_dim, self.stream)
         out = self._new(n, c.q_dim)
+        if self.attn == "split" and n == 1 and c.head_dim <= 256:
+            nchunk = -(-self.n_ctx // ATTN_CHUNK)
+            scratch = (self._new(n, c.n_head, self.n_ctx), self._new(n, c.n_head, nchunk),
+                       self._new(n, c.n_head, nchunk, c.head_dim))
+            self.k.attention_split(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, self.n_ctx,
+                                   float(np.float32(1.0 / np.sqrt(c.head_dim))), scratch, self.stream)
+            return out
         self.k.attention(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, self.n_ctx,
                          float(np.float32(1.0 / np.sqrt(c.head_dim))), self.stream)
         return out

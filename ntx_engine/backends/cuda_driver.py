@@ -220,6 +220,23 @@ class Module:
         return self._functions[kernel]
 
 
+def launch_pdl(func, cfg: LaunchConfig, args: tuple, stream: Stream, name: str) -> None:
+    """Launch with programmatic stream serialization (Hopper PDL): the grid may be scheduled
+    while the previous one finishes; the kernels' NTX_PDL() waits for it before any work."""
+    drv = driver()
+    values, ptrs = pack_args(args)
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    lc = drv.CUlaunchConfig()
+    lc.gridDimX, lc.gridDimY, lc.gridDimZ = cfg.grid
+    lc.blockDimX, lc.blockDimY, lc.blockDimZ = cfg.block
+    lc.sharedMemBytes, lc.hStream = cfg.smem, stream.handle
+    lc.attrs, lc.numAttrs = [attr], 1
+    check(drv.cuLaunchKernelEx(lc, func, ctypes.addressof(ptrs), 0), f"cuLaunchKernelEx({name})")
+    del values
+
+
 def launch(func, cfg: LaunchConfig, args: tuple, stream: Stream, name: str) -> None:
     values, ptrs = pack_args(args)
     check(driver().cuLaunchKernel(func, *cfg.grid, *cfg.block, cfg.smem, stream.handle,

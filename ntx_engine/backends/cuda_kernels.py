@@ -6,10 +6,12 @@ are documented in the `.cu` files. Weight-type kernels are named `<op>_<type>` a
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ntx_engine.backends import cuda_nvrtc
-from ntx_engine.backends.cuda_driver import Device, DeviceArray, LaunchConfig, Module, Stream, check, driver, launch
+from ntx_engine.backends.cuda_driver import (Device, DeviceArray, LaunchConfig, Module, Stream, check, driver, launch,
+                                             launch_pdl)
 from ntx_engine.quants import GGMLType
 
 # ggml type -> suffix of its matvec_/embed_ kernels (NTX_FOR_EACH_TYPE in ntx_quants.cuh)
@@ -25,20 +27,42 @@ BLOCK_ELEMENTS = {t: (256 if t in (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, 
 MATVEC_ROWS_PER_BLOCK = 4  # NTX_WARPS in matvec.cu
 MATVEC_MAX_TOKENS = 8  # the _n8 variants
 ATTN_THREADS = 256
-# "staged": blocks copied to shared memory with wide loads (default); "direct": byte loads
-MATVEC_VARIANTS = {"staged": "matvec", "direct": "matvecd"}
+ATTN_CHUNK = 64  # positions per block of the split (flash-decoding) attention, attention.cu
+ATTN_SPLIT_THREADS = 256
+# "fast" (default): matvec_fast.cu's dp4a kernels for FAST_TYPES, "staged" for the others;
+# "staged": blocks copied to shared memory with wide loads, float decode; "direct": byte loads
+MATVEC_VARIANTS = {"fast": "matvec", "staged": "matvec", "direct": "matvecd"}
+# types with an int8 dp4a kernel (matvecf_<suffix>_n1/_n8 in matvec_fast.cu)
+FAST_TYPES: dict[GGMLType, str] = {GGMLType.Q4_K: "q4_k", GGMLType.Q6_K: "q6_k", GGMLType.Q8_0: "q8_0"}
+FAST_ROWS_PER_BLOCK = 4  # NTX_FAST_WARPS in matvec_fast.cu
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def fast_matvec_ok(t: GGMLType, ptr: int, k: int) -> bool:
+    """The dp4a kernels stream 16-byte aligned chunks: the tensor must start 16-byte aligned and
+    every row be a whole number of 16 bytes (true for Llama shapes; Q6_K needs k % 2048 == 0)."""
+    if t not in FAST_TYPES:
+        return False
+    from ntx_engine import quants
+
+    return ptr % 16 == 0 and quants.tensor_nbytes(t, k) % 16 == 0
+
+
 class Kernels:
-    def __init__(self, device: Device, cache_dir: Path | None = None, matvec: str = "staged") -> None:
+    def __init__(self, device: Device, cache_dir: Path | None = None, matvec: str = "fast",
+                 pdl: bool | None = None) -> None:
         if matvec not in MATVEC_VARIANTS:
             raise ValueError(f"matvec variant must be one of {sorted(MATVEC_VARIANTS)}, got {matvec!r}")
         self.device = device
         self.matvec_prefix = MATVEC_VARIANTS[matvec]
+        self.fast = matvec == "fast"
+        # Hopper programmatic dependent launch for every kernel (sm_90 and newer; NTX_CUDA_PDL=0 turns it off)
+        self.pdl = pdl if pdl is not None else os.environ.get("NTX_CUDA_PDL", "1") == "1"
+        self.pdl = self.pdl and int(device.arch.removeprefix("sm_")) >= 90
+        self.profile: list | None = None  # (name, start Event, end Event) per launch while a list
         self.modules = {src: Module(cuda_nvrtc.cached_cubin(src, device.arch, cache_dir), src)
                         for src in cuda_nvrtc.SOURCES}
         self._attn_smem_limit = 48 * 1024
@@ -48,7 +72,16 @@ class Kernels:
 
     def _go(self, source: str, name: str, grid, block, args, stream: Stream, smem: int = 0) -> None:
         cfg = LaunchConfig(tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block)), smem)
+        if self.profile is None:
+            (launch_pdl if self.pdl else launch)(self.fn(source, name), cfg, args, stream, name)
+            return
+        from ntx_engine.backends.cuda_driver import Event
+
+        e0, e1 = Event(), Event()
+        e0.record(stream)
         launch(self.fn(source, name), cfg, args, stream, name)
+        e1.record(stream)
+        self.profile.append((name, e0, e1))
 
     # --- quantized weights --------------------------------------------------------------
     def matvec(self, t: GGMLType, w: DeviceArray, xq: DeviceArray, s: DeviceArray | None, y: DeviceArray,
@@ -58,6 +91,30 @@ class Kernels:
         grid = (_cdiv(rows, MATVEC_ROWS_PER_BLOCK),)
         self._go("matvec.cu", f"{self.matvec_prefix}_{KERNEL_TYPES[t]}_{variant}", grid, (32 * MATVEC_ROWS_PER_BLOCK,),
                  (w, xq, s, y, rows, k, n), stream)
+
+    def matvec_fast(self, t: GGMLType, w: DeviceArray, xq: DeviceArray, xd: DeviceArray, xs: DeviceArray,
+                    y: DeviceArray, rows: int, k: int, n: int, stream: Stream) -> None:
+        """y (n, rows) = dequant(xq, xd) . w^T with dp4a; n <= MATVEC_MAX_TOKENS; see fast_matvec_ok."""
+        variant = "n1" if n == 1 else "n8"
+        self._go("matvec_fast.cu", f"matvecf_{FAST_TYPES[t]}_{variant}", (_cdiv(rows, FAST_ROWS_PER_BLOCK),),
+                 (32 * FAST_ROWS_PER_BLOCK,), (w, xq, xd, xs, y, rows, k, n), stream)
+
+    def quantize_int8(self, vec_dot: GGMLType, x: DeviceArray, xq: DeviceArray, xd: DeviceArray, xs: DeviceArray,
+                      stream: Stream) -> None:
+        """x quantized to vec_dot (Q8_0/Q8_1/Q8_K) as int8 xq, per-32 scale xd and int sum xs."""
+        if vec_dot in (GGMLType.Q8_0, GGMLType.Q8_1):
+            nb, name = x.size // 32, "quanti_q8_1"
+        elif vec_dot == GGMLType.Q8_K:
+            nb, name = x.size // 256, "quanti_q8_k"
+        else:
+            raise ValueError(f"no int8 activation quantization for {vec_dot.name}")
+        self._go("matvec_fast.cu", name, (_cdiv(nb * 32, 128),), (128,), (x, xq, xd, xs, nb), stream)
+
+    def rmsnorm_quanti(self, x, w, out, xq, xd, xs, eps: float, q8k: bool, stream: Stream) -> None:
+        """rmsnorm into out and, in the same kernel, out quantized as quantize_int8 would."""
+        n, k = x.shape
+        self._go("matvec_fast.cu", "rmsnorm_quanti", (n,), (256,), (x, w, out, xq, xd, xs, k, float(eps), int(q8k)),
+                 stream)
 
     def embed(self, t: GGMLType, table: DeviceArray, ids: DeviceArray, out: DeviceArray, n: int, k: int,
               stream: Stream) -> None:
@@ -112,6 +169,19 @@ class Kernels:
         self._allow_smem("attention.cu", "attention", smem)
         self._go("attention.cu", "attention", (n_head, n), (threads,),
                  (q, kc, vc, out, pos, n_head, n_kv, head_dim, float(scale)), stream, smem)
+
+    def attention_split(self, q, kc, vc, out, pos, n_head, n_kv, head_dim, n_ctx, scale, scratch, stream) -> None:
+        """Split-K attention (attn_scores, attn_pv, attn_reduce); scratch = (scores (n, n_head,
+        n_ctx), cmax (n, n_head, nchunk), part (n, n_head, nchunk, head_dim)) float32."""
+        n, nchunk = q.shape[0], _cdiv(n_ctx, ATTN_CHUNK)
+        scores, cmax, part = scratch
+        grid, block = (n_head, nchunk, n), (ATTN_SPLIT_THREADS,)
+        self._go("attention.cu", "attn_scores", grid, block,
+                 (q, kc, scores, cmax, pos, n_head, n_kv, head_dim, n_ctx, float(scale)), stream)
+        self._go("attention.cu", "attn_pv", grid, block, (scores, cmax, vc, part, pos, n_head, n_kv, head_dim, n_ctx),
+                 stream)
+        self._go("attention.cu", "attn_reduce", (n_head, n), (head_dim,), (part, out, pos, n_head, head_dim, nchunk),
+                 stream)
 
     def _allow_smem(self, source: str, name: str, smem: int) -> None:
         if smem <= self._attn_smem_limit:

@@ -14,7 +14,7 @@ from pathlib import Path
 from ntx_common.errors import CudaError
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "native" / "cuda"
-SOURCES = ("matvec.cu", "ops.cu", "attention.cu")
+SOURCES = ("matvec.cu", "matvec_fast.cu", "ops.cu", "attention.cu")
 OPTIONS = ("-std=c++17", "-default-device", "-lineinfo")
 
 

@@ -27,6 +27,20 @@ def test_every_weight_type_has_kernels():
             assert kernel.encode() + b"\0" in cubin, f"{kernel} missing from the cubin"
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_fast_kernels_present(arch):
+    """The dp4a kernels exist for every FAST_TYPES entry (sm_80 too: NTX_PDL()'s griddepcontrol
+    is Hopper-only and must compile to nothing there)."""
+    from ntx_engine.backends.cuda_kernels import FAST_TYPES
+
+    cubin, _ = cuda_nvrtc.compile_cubin("matvec_fast.cu", arch)
+    for suffix in FAST_TYPES.values():
+        for kernel in (f"matvecf_{suffix}_n1", f"matvecf_{suffix}_n8"):
+            assert kernel.encode() + b"\0" in cubin, f"{kernel} missing from the cubin"
+    for kernel in ("quanti_q8_1", "quanti_q8_k"):
+        assert kernel.encode() + b"\0" in cubin
+
+
 def test_cache_reuses_cubin_and_keys_on_source(tmp_path):
     kdir = tmp_path / "kernels"
     shutil.copytree(cuda_nvrtc.KERNEL_DIR, kdir)

@@ -39,6 +39,7 @@ def test_matvec_matches_numpy(cuda_backend, synth, t, n, variant):
     b, rng = cuda_backend, np.random.default_rng(1000 * int(t) + n)
     rows, k = 37, 2304  # 72 units a row: lanes loop and the last pass is partial
     b.k.matvec_prefix = {"staged": "matvec", "direct": "matvecd"}[variant]
+    b.k.fast = False
     raw = synth.random_blocks(t, rows * k, rng)
     w_gpu, w_np = b.matrix(raw, t, (rows, k), "w"), NumpyBackend().matrix(raw, t, (rows, k), "w")
     x = rng.standard_normal((n, k)).astype(np.float32)
@@ -51,7 +52,47 @@ def test_matvec_matches_numpy(cuda_backend, synth, t, n, variant):
     ref = NumpyBackend().matmul(w_np, x)
     _rel_err(download(y, b.stream), ref, f"matvec {variant} {t.name} n={n}", 2e-5)
     _rel_err(b.to_numpy(b.matmul(w_gpu, xd)), ref, f"matmul {variant} {t.name} n={n}", 2e-5)
-    b.k.matvec_prefix = "matvec"
+    b.k.matvec_prefix, b.k.fast = "matvec", True
+
+
+FAST = [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0]
+
+
+@pytest.mark.parametrize("vec_dot", [GGMLType.Q8_K, GGMLType.Q8_0])
+def test_rmsnorm_quanti_equals_rmsnorm_then_quantize(cuda_backend, vec_dot):
+    """The fused rmsnorm + int8 quantization (NTX_CUDA_FUSE) is bit-identical to the two kernels
+    it replaces, which the tests above check against numpy."""
+    b, rng = cuda_backend, np.random.default_rng(int(vec_dot))
+    n, k = 3, 4096
+    x, w = b.from_numpy((rng.standard_normal((n, k)) * 3).astype(np.float32)), b.from_numpy(
+        rng.standard_normal(k).astype(np.float32))
+    h = b._new(n, k)
+    b.k.rmsnorm(x, w, h, 1e-5, b.stream)
+    ref = [DeviceArray(b.pool, (n, k), np.int8), b._new(n, k // 32), b._new(n, k // 32)]
+    b.k.quantize_int8(vec_dot, h, *ref, b.stream)
+    fused = [_poisoned(b, (n, k)), upload(b.pool, np.full((n, k), 77, np.int8), b.stream), _poisoned(b, (n, k // 32)),
+             _poisoned(b, (n, k // 32))]
+    b.k.rmsnorm_quanti(x, w, *fused, 1e-5, vec_dot == GGMLType.Q8_K, b.stream)
+    assert np.array_equal(download(fused[0], b.stream), download(h, b.stream))
+    for got, want in zip(fused[1:], ref):
+        assert np.array_equal(download(got, b.stream), download(want, b.stream))
+
+
+@pytest.mark.parametrize("n", [1, 3, 11])
+@pytest.mark.parametrize("rows,k", [(67, 6144), (37, 2304)])
+@pytest.mark.parametrize("t", FAST, ids=lambda t: t.name)
+def test_fast_matvec_matches_numpy(cuda_backend, synth, t, rows, k, n):
+    """The dp4a kernels (int8 activations): whole and partial 16-byte groups, odd row counts;
+    where a row is not whole 16-byte chunks (Q6_K at 2304) the backend must fall back."""
+    b, rng = cuda_backend, np.random.default_rng(7000 * int(t) + k + n)
+    raw = synth.random_blocks(t, rows * k, rng)
+    w_gpu, w_np = b.matrix(raw, t, (rows, k), "w"), NumpyBackend().matrix(raw, t, (rows, k), "w")
+    assert b.uses_fast(w_gpu) == (t != GGMLType.Q6_K or k % 2048 == 0)
+    x = (rng.standard_normal((n, k)) * rng.uniform(0.1, 10, k)).astype(np.float32)
+    ref = NumpyBackend().matmul(w_np, x)
+    xd = b.from_numpy(x)
+    b._act_cache = None
+    _rel_err(b.to_numpy(b.matmul(w_gpu, xd)), ref, f"matmul fast {t.name} {rows}x{k} n={n}", 2e-5)
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
@@ -73,10 +114,10 @@ def _cfg(rope_type="norm", rope_dim=64, head_dim=64, n_head=8, n_head_kv=2, freq
                        context_length=512, vocab_size=64, tied_embeddings=True, qkv_bias=False)
 
 
-def _pair(cfg, n_ctx=64, freqs=None):
+def _pair(cfg, n_ctx=64, freqs=None, attn="split"):
     import ntx_engine.backends.cuda_backend as cb
 
-    gpu = cb.CudaBackend()
+    gpu = cb.CudaBackend(attn=attn)
     cpu = NumpyBackend()
     for be in (gpu, cpu):
         be.set_model(cfg, n_ctx, freqs)
@@ -112,10 +153,13 @@ def test_rope_matches_numpy(cuda_backend, rope_type, rope_dim, freq_scale, freqs
     _rel_err(out, cpu.rope(x, pos, cfg.n_head), f"rope {rope_type} dim {rope_dim} fs {freq_scale} ff {freqs}", 1e-5)
 
 
+@pytest.mark.parametrize("attn", ["split", "single"])
 @pytest.mark.parametrize("head_dim,n_head,n_head_kv", [(64, 8, 2), (128, 4, 4), (64, 9, 3)])
-def test_attention_prefill_then_decode(cuda_backend, head_dim, n_head, n_head_kv):
+def test_attention_prefill_then_decode(cuda_backend, head_dim, n_head, n_head_kv, attn):
+    """Decode steps (n = 1) take the split kernels unless attn == "single"; chunks of 64 positions:
+    decode at 7, 8 (one partial chunk) and 259 (five chunks, the last partial)."""
     cfg = _cfg(head_dim=head_dim, n_head=n_head, n_head_kv=n_head_kv)
-    gpu, cpu = _pair(cfg, n_ctx=300)
+    gpu, cpu = _pair(cfg, n_ctx=300, attn=attn)
     rng = np.random.default_rng(head_dim + n_head)
     start = 0
     for n in (7, 1, 1, 250, 1):  # prefill, decode steps, a long chunk, decode at 259
@@ -125,7 +169,7 @@ def test_attention_prefill_then_decode(cuda_backend, head_dim, n_head, n_head_kv
         for layer in (0, 1):
             ref = cpu.attention(q, k, v, layer, start)
             out = gpu.to_numpy(gpu.attention(gpu.from_numpy(q), gpu.from_numpy(k), gpu.from_numpy(v), layer, start))
-            _rel_err(out, ref, f"attention hd {head_dim} {n_head}/{n_head_kv} n={n} start={start} layer {layer}", 1e-3)
+            _rel_err(out, ref, f"attention {attn} hd {head_dim} {n_head}/{n_head_kv} n={n} start={start} layer {layer}", 1e-3)
         start += n
 
 

@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Decode/prefill benchmark of the CUDA engine over several models and kernel variants in one
+process: tok/s, achieved GB/s against the HBM bound, per-kernel times of one decode step; one
+JSON out and a short table last (the form the lent-GPU runs record in docs/benchmarks/).
+
+    python scripts/bench_engine.py --synthetic llama3-8b:q4_k_m llama3-8b:q8_0 \\
+        --variant fast/split/pdl fast/split staged/single --json out.json
+
+A variant is MATVEC/ATTN[/pdl][/fuse]: MATVEC fast|staged|direct, ATTN split|single, pdl =
+Hopper programmatic dependent launch, fuse = rmsnorm fused with the next matmul's quantization.
+Each (model, variant) is bench_cuda.run (its docstring says how bytes per token and the bound
+are counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_variant(text: str) -> tuple[str, str, bool, bool]:
+    parts = text.split("/")
+    flags = set(parts[2:])
+    if len(parts) < 2 or parts[0] not in ("fast", "staged", "direct") or parts[1] not in ("split", "single") \
+            or not flags <= {"pdl", "fuse"}:
+        raise argparse.ArgumentTypeError(f"variant {text!r}: expected MATVEC/ATTN[/pdl][/fuse], e.g. fast/split/pdl")
+    return parts[0], parts[1], "pdl" in flags, "fuse" in flags
+
+
+def table(results: list[dict], top: int = 8) -> str:
+    lines = []
+    for r in results:
+        lines.append(f"{r['model']} {r['matvec']}/{r['attn']}{'/pdl' if r['pdl'] else ''}{'/fuse' if r['fuse'] else ''}: "
+                     f"decode {r['decode_tok_s_graph']:.1f} tok/s (plain {r['decode_tok_s_plain']:.1f}), "
+                     f"{r['achieved_gb_s']:.0f} GB/s = {100 * r['fraction_of_bound']:.1f} % of bound "
+                     f"({r['hbm_bound_tok_s']:.0f} tok/s); prefill {r['prefill_tok_s']:.0f} tok/s; "
+                     f"kernels {r['kernel_ms_per_token']:.3f} ms vs graph step {r['decode_ms_per_token_graph']:.3f} ms")
+        for name, v in list(r["kernels"].items())[:top]:
+            lines.append(f"    {name:<24} {v['ms']:8.4f} ms  x{v['launches']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import bench_cuda
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--synthetic", nargs="+", required=True, help="SHAPE:MIX[:LAYERS] ...")
+    ap.add_argument("--variant", nargs="+", type=parse_variant, default=[("fast", "split", True, False)])
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--n-ctx", type=int, default=1024)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp"))
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    results = []
+    for spec in a.synthetic:
+        path = bench_cuda.synthetic_model(spec, a.workdir)
+        for matvec, attn, pdl, fuse in a.variant:
+            results.append(bench_cuda.run(path, a.prompt, a.decode, a.n_ctx, matvec, attn, pdl, fuse))
+            if a.json:  # after every run, so a time-out still leaves the finished ones
+                a.json.write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
