@@ -39,7 +39,8 @@ def table(results: list[dict], top: int = 8) -> str:
                      f"decode {r['decode_tok_s_graph']:.1f} tok/s (plain {r['decode_tok_s_plain']:.1f}), "
                      f"{r['achieved_gb_s']:.0f} GB/s = {100 * r['fraction_of_bound']:.1f} % of bound "
                      f"({r['hbm_bound_tok_s']:.0f} tok/s); prefill {r['prefill_tok_s']:.0f} tok/s; "
-                     f"kernels {r['kernel_ms_per_token']:.3f} ms vs graph step {r['decode_ms_per_token_graph']:.3f} ms")
+                     f"kernels {r['kernel_ms_per_token']:.3f} ms (profiled step {r.get('profiled_step_ms', float('nan')):.3f}) "
+                     f"vs graph step {r['decode_ms_per_token_graph']:.3f} ms")
         for name, v in list(r["kernels"].items())[:top]:
             lines.append(f"    {name:<24} {v['ms']:8.4f} ms  x{v['launches']}")
     return "\n".join(lines)

@@ -93,3 +93,13 @@ extern "C" __global__ void argmax(const float* x, int n, int* out) {
     if (threadIdx.x == 0) *out = bi[0];
 }
 
+// Busy the stream for `us` microseconds (the per-kernel profile of scripts/bench_cuda.py queues a
+// whole decode step behind it, so its CUDA events time the GPU, not Python's launch rate).
+extern "C" __global__ void spin_us(int us) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < 1000ull * (unsigned long long)us);
+}
