@@ -171,7 +171,7 @@ def _check_args(mode: str, bind_vfio: bool, disk: Path, mem_mb: int, timeout: fl
 
 
 def _write_job(job: Path, command: str, mode: str, out: Path, env: dict[str, str]) -> None:
-    (job / "config").write_text(f"OUT={shlex.quote(str(out))}\n")
+    (job / "config").write_text(f"OUT={shlex.quote(str(out))}\nREPO={shlex.quote(str(REPO))}\n")
     exports = {"PATH": GUEST_PATH, "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", "NTX_VM": "1", "NTX_VM_MODE": mode,
                "NTX_VM_OUT": str(out), "NTX_VM_NVME_SERIAL": NVME_SERIAL, **env}
@@ -208,6 +208,8 @@ def _qemu_argv(kdir: Path, disk: Path, job: Path, out: Path, console: Path, mode
         "-virtfs", f"local,path=/,mount_tag=hostroot,readonly=on,{share}",
         "-virtfs", f"local,path={_qemu_opt(job)},mount_tag=ntxjob,{share}",
         "-virtfs", f"local,path={_qemu_opt(out)},mount_tag=ntxout,{share}",
+        # the repo again, mounted at its own path after the guest's tmpfs mounts (a CI clone may live in /tmp)
+        "-virtfs", f"local,path={_qemu_opt(REPO)},mount_tag=ntxrepo,readonly=on,{share}",
     ]
 
 
