@@ -32,10 +32,12 @@ def run(
     raw: Annotated[bool, typer.Option("--raw", help="Plain completion: do not apply the chat template.")] = False,
     device: Annotated[str, typer.Option(help="auto (cuda when a GPU is usable), cpu (numpy), cuda or cuda:N.")] = "auto",
     ctx: Annotated[int, typer.Option("--ctx", min=16, help="Context length (tokens).")] = 4096,
+    threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="BLAS threads of the cpu backend (default 1: OpenBLAS threads slow down the small matvecs of decode; env OPENBLAS_NUM_THREADS wins).")] = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Generate text with a GGUF model."""
+    _set_blas_threads(threads)
     from ntx_engine.cli.session import RunOptions, run_chat, run_once
 
     opts = RunOptions(model=model, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
@@ -52,6 +54,17 @@ def run(
     result = run_once(opts, prompt)
     if json_out:
         print_json(result)
+
+
+def _set_blas_threads(threads: Optional[int]) -> None:
+    """Must run before numpy loads OpenBLAS (the heavy imports happen below, in the command)."""
+    import os
+
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        if threads is not None:
+            os.environ[var] = str(threads)
+        else:
+            os.environ.setdefault(var, "1")
 
 
 def main() -> None:
