@@ -28,8 +28,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ntx_engine.backends.numpy_backend import NumpyBackend
 from ntx_engine.engine import Engine, EngineConfig
+from ntx_engine.noise import rounding_noise
 
 NEAR_TIE = 0.05
 F32_TOL = 1e-3
@@ -65,24 +65,8 @@ def _oracle(oracle_manifest, tag):
 
 
 def _noise(eng: Engine, ids: list[int]) -> np.ndarray:
-    """Per-position max |logit change| of our own engine when every matmul input is perturbed by
-    1e-6 (relative, several seeds): how far float32 rounding alone moves this model's logits."""
-    base = eng.logits(ids)
-    backend = eng.model.backend
-    worst = np.zeros(len(ids), np.float32)
-    for seed in NOISE_SEEDS:
-        rng = np.random.default_rng(seed)
-
-        def jittered(w, x, _rng=rng):
-            x = (x * (1 + _rng.standard_normal(x.shape) * NOISE_REL)).astype(np.float32)
-            return NumpyBackend.matmul(backend, w, x)
-
-        backend.matmul = jittered
-        try:
-            worst = np.maximum(worst, np.abs(eng.logits(ids) - base).max(axis=-1))
-        finally:
-            del backend.matmul
-    return worst
+    """Per-position float32 rounding noise of our own engine on `ids` (ntx_engine.noise)."""
+    return rounding_noise(lambda: eng.logits(ids), eng.model.backend, NOISE_SEEDS, NOISE_REL)
 
 
 @pytest.mark.parametrize("name", F32_MODELS)
