@@ -18,7 +18,8 @@ import pytest
 
 from ntx_common.errors import TokenizerError
 from ntx_engine.gguf import GGUFFile
-from ntx_engine.tokenizer import PRE_TOKENIZERS, Tokenizer, TokenType
+from ntx_engine.tokenizer import Tokenizer, TokenType
+from ntx_engine.vocab_rules import PRE_TOKENIZERS
 
 CORPUS_FILE = Path(__file__).parents[1] / "data" / "tokenizer_corpus.jsonl"
 # JSON lines: a split on "\n" only, since U+2028 and U+0085 inside strings are line breaks to str.splitlines
