@@ -23,6 +23,7 @@ from ntx_engine.backends.numpy_backend import NumpyBackend
 from ntx_engine.config import ModelConfig
 from ntx_engine.gguf import GGUFFile
 from ntx_engine.model import Transformer, WeightLoader
+from ntx_engine.noise import rounding_noise
 
 pytestmark = pytest.mark.gpu
 
@@ -53,24 +54,11 @@ def _greedy(forward, prompt: np.ndarray, steps: int) -> tuple[list[int], list[np
 
 
 def noise_floor(model: Transformer, seq: list[int], n_prompt: int) -> float:
-    """Max |logit change| of the numpy model when every matmul input is jittered by 1e-6."""
-    backend = model.backend
-    base = model.forward(np.asarray(seq), 0, all_logits=True)[n_prompt - 1:]
-    worst = 0.0
-    for seed in (1, 2, 3):
-        rng = np.random.default_rng(seed)
+    """Max |logit change| of the numpy model when every matmul input is jittered (ntx_engine.noise)."""
+    def logits():
+        return model.forward(np.asarray(seq), 0, all_logits=True)[n_prompt - 1:]
 
-        def jittered(w, x, _rng=rng):
-            x = (x * (1 + _rng.standard_normal(x.shape) * NOISE_REL)).astype(np.float32)
-            return NumpyBackend.matmul(backend, w, x)
-
-        backend.matmul = jittered
-        try:
-            out = model.forward(np.asarray(seq), 0, all_logits=True)[n_prompt - 1:]
-        finally:
-            del backend.matmul
-        worst = max(worst, float(np.abs(out - base).max()))
-    return worst
+    return float(rounding_noise(logits, model.backend, rel=NOISE_REL).max())
 
 
 def agree_until_tie(ref_toks, ref_logits, toks, near_tie: float) -> tuple[int, bool]:
