@@ -113,3 +113,23 @@ def test_unsupported_quant(tmp_path, oracle_manifest):
 def test_bad_sampling_option():
     proc = _run("hi", "--top-p", "1.5")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def test_chat_session_answers_with_the_templated_greedy_reply(oracle_manifest):
+    model = oracle_manifest["models"]["smollm2-Q4_1"]
+    result = CliRunner().invoke(app, ["--chat", "-m", str(model), "-n", "6", "--temperature", "0",
+                                      "--system", "Answer briefly."], input="What is 2+2?\n\n", env=ENV)
+    assert result.exit_code == 0, result.output
+    # the oracle: the Python API on the same rendered conversation
+    eng = Engine.load(model, EngineConfig(n_ctx=512))
+    ids = eng.tokenize(eng.render_chat([{"role": "system", "content": "Answer briefly."},
+                                        {"role": "user", "content": "What is 2+2?"}]), add_special=False)
+    reply = [t for t in eng.generate(ids, max_tokens=6) if not eng.tokenizer.is_eog(t)]
+    text = eng.detokenize(reply).strip()
+    assert text and text in result.stdout
+    assert "<|im_start|>" not in result.stdout  # control tokens are not echoed
+
+
+def test_chat_needs_a_template(oracle_manifest):
+    proc = _run("--chat", "-m", str(oracle_manifest["models"]["tiny-llama-F32"]), stdin="hi\n")
+    _assert_clean_error(proc, "no chat template")
