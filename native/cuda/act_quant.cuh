@@ -47,3 +47,23 @@ NTX_HD void ntx_q8k_block(const float* x, float* x_hat) {
     ntx_q8k_scale(x[best], &iscale, &d);
     for (int i = 0; i < 256; ++i) x_hat[i] = NTX_MUL(d, ntx_q8k_q(x[i], iscale));
 }
+
+#ifdef __CUDACC__
+// The Q8_K pivot of one 256-value block read by a warp (8 values per lane, returned in v): the
+// index of the largest |x|, the first one on ties, as ggml's reference scan picks it.
+__device__ __forceinline__ int ntx_q8k_pivot_warp(const float* xb, float v[8], int lane) {
+    float best = -1.f;
+    int idx = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        v[i] = xb[lane + 32 * i];
+        if (fabsf(v[i]) > best) { best = fabsf(v[i]); idx = lane + 32 * i; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ob > best || (ob == best && oi < idx)) { best = ob; idx = oi; }
+    }
+    return idx;
+}
+#endif

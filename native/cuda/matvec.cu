@@ -175,18 +175,8 @@ extern "C" __global__ void quant_q8_k(const float* x, float* x_hat, int nblocks)
     const int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (b >= nblocks) return;
     const float* xb = x + 256 * (size_t)b;
-    float v[8], best = -1.f;
-    int idx = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        v[i] = xb[lane + 32 * i];
-        if (fabsf(v[i]) > best) { best = fabsf(v[i]); idx = lane + 32 * i; }
-    }
-    for (int o = 16; o > 0; o >>= 1) {  // largest magnitude, the first index on ties
-        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (ob > best || (ob == best && oi < idx)) { best = ob; idx = oi; }
-    }
+    float v[8];
+    const int idx = ntx_q8k_pivot_warp(xb, v, lane);
     float iscale, d;
     ntx_q8k_scale(xb[idx], &iscale, &d);
 #pragma unroll
