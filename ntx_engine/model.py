@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -93,28 +93,70 @@ class WeightLoader:
         return ModelWeights(tok_embd, self.vector("output_norm.weight", c.n_embd), output, layers, freqs)
 
 
+class ResidentLayers:
+    """Layer weights that all sit in the backend already: `acquire` hands them out as they are.
+    The streaming pipeline (`pipeline.py`) implements the same two calls over a slot ring."""
+
+    def __init__(self, layers: list[LayerWeights]) -> None:
+        self.layers = layers
+
+    def acquire(self, i: int) -> LayerWeights:
+        return self.layers[i]
+
+    def release(self, i: int) -> None:
+        pass
+
+
 class Transformer:
+    """forward() runs embed -> blocks -> head. Hooks for the later features: `layers` picks the
+    blocks to run (layer skip, self-speculative drafts), `self.source` hands out each block's
+    weights (resident, or streamed through the pipeline), `ffn` is one method so a
+    mixture-of-experts model can replace it."""
+
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, backend: Backend, n_ctx: int) -> None:
         self.cfg, self.w, self.backend, self.n_ctx = cfg, weights, backend, n_ctx
+        self.source = ResidentLayers(weights.layers)
         backend.set_model(cfg, n_ctx, weights.rope_freqs)
 
-    def forward(self, ids: np.ndarray, start: int, all_logits: bool = False) -> np.ndarray:
-        """Run tokens `ids` at positions start.. ; returns logits (n or 1, vocab) as numpy float32."""
-        c, b = self.cfg, self.backend
+    def forward(self, ids: np.ndarray, start: int, all_logits: bool = False,
+                layers: Sequence[int] | None = None) -> np.ndarray:
+        """Run tokens `ids` at positions start.. through `layers` (default: all, in order);
+        returns logits (n or 1, vocab) as numpy float32."""
+        b = self.backend
         if start + len(ids) > self.n_ctx:
             raise ModelError(f"context length exceeded: {start + len(ids)} tokens > n_ctx {self.n_ctx}")
         pos = np.arange(start, start + len(ids))
         x = b.embed(self.w.tok_embd, np.asarray(ids))
-        for i, lw in enumerate(self.w.layers):
-            h = b.rmsnorm(x, lw.attn_norm, c.rms_eps)
-            q, k, v = b.matmul(lw.wq, h), b.matmul(lw.wk, h), b.matmul(lw.wv, h)
-            if lw.bq is not None:
-                q, k, v = b.add(q, lw.bq), b.add(k, lw.bk), b.add(v, lw.bv)
-            q, k = b.rope(q, pos, c.n_head), b.rope(k, pos, c.n_head_kv)
-            x = b.add(x, b.matmul(lw.wo, b.attention(q, k, v, i, start)))
-            h = b.rmsnorm(x, lw.ffn_norm, c.rms_eps)
-            x = b.add(x, b.matmul(lw.w_down, b.swiglu(b.matmul(lw.w_gate, h), b.matmul(lw.w_up, h))))
+        for i in range(self.cfg.n_layers) if layers is None else layers:
+            lw = self.source.acquire(i)
+            try:
+                x = self.block(i, lw, x, pos, start)
+            finally:
+                self.source.release(i)
+        return self.head(x, all_logits)
+
+    def block(self, i: int, lw: LayerWeights, x: Any, pos: np.ndarray, start: int) -> Any:
+        """One transformer layer: x + attention(norm(x)), then + ffn(norm(x))."""
+        x = self.attention(i, lw, x, pos, start)
+        return self.backend.add(x, self.ffn(i, lw, self.backend.rmsnorm(x, lw.ffn_norm, self.cfg.rms_eps)))
+
+    def attention(self, i: int, lw: LayerWeights, x: Any, pos: np.ndarray, start: int) -> Any:
+        c, b = self.cfg, self.backend
+        h = b.rmsnorm(x, lw.attn_norm, c.rms_eps)
+        q, k, v = b.matmul(lw.wq, h), b.matmul(lw.wk, h), b.matmul(lw.wv, h)
+        if lw.bq is not None:
+            q, k, v = b.add(q, lw.bq), b.add(k, lw.bk), b.add(v, lw.bv)
+        q, k = b.rope(q, pos, c.n_head), b.rope(k, pos, c.n_head_kv)
+        return b.add(x, b.matmul(lw.wo, b.attention(q, k, v, i, start)))
+
+    def ffn(self, i: int, lw: LayerWeights, h: Any) -> Any:
+        """The feed-forward of layer i on the normalized h (SwiGLU); MoE layers override this."""
+        b = self.backend
+        return b.matmul(lw.w_down, b.swiglu(b.matmul(lw.w_gate, h), b.matmul(lw.w_up, h)))
+
+    def head(self, x: Any, all_logits: bool) -> np.ndarray:
+        b = self.backend
         if not all_logits:
             x = x[-1:]
-        x = b.rmsnorm(x, self.w.output_norm, c.rms_eps)
+        x = b.rmsnorm(x, self.w.output_norm, self.cfg.rms_eps)
         return b.to_numpy(b.matmul(self.w.output, x))

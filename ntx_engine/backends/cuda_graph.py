@@ -24,9 +24,9 @@ class DecodeGraph:
         self.token = None  # (1,) int32 device array: argmax of the logits
         self._keep: list = []
 
-    def forward(self, ids: np.ndarray, start: int, all_logits: bool = False) -> np.ndarray:
-        if len(ids) != 1 or all_logits:
-            return self.model.forward(ids, start, all_logits)
+    def forward(self, ids: np.ndarray, start: int, all_logits: bool = False, layers=None) -> np.ndarray:
+        if len(ids) != 1 or all_logits or layers is not None:
+            return self.model.forward(ids, start, all_logits, layers)
         self._replay(int(ids[0]), start)
         return download(self.logits, self.b.stream)
 
