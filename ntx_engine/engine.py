@@ -173,6 +173,40 @@ class Engine:
         if bad:
             raise UsageError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
 
+    def reset(self) -> None:
+        """Forget the cached context: the next prompt is prefilled from scratch. A prefix reused
+        from the cache rounds differently from one batched prefill (different matmul shapes), so
+        greedy text can differ; the server resets before each request to answer like `ntx-run`."""
+        self._cached = []
+
+    # --- text in, text out (the documented Python API: docs/python.md) ---------------------
+    def stream(self, prompt: str | Sequence[int], max_tokens: int = 128,
+               sampler: SamplerConfig | None = None, stats: GenerationStats | None = None,
+               add_special: bool = True) -> Iterator[str]:
+        """Yield the generated text piece by piece (greedy unless `sampler` says otherwise).
+
+        A string prompt is tokenized as is (no chat template; see `chat`). Pieces hold whole
+        characters only: a UTF-8 character split across tokens comes out once it is complete.
+        End-of-generation and other control tokens are not part of the text."""
+        ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else list(prompt)
+        dec = self.tokenizer.stream_decoder(skip_special=True)
+        for tok in self.generate(ids, max_tokens, sampler, stats):
+            piece = "" if self.tokenizer.is_eog(tok) else dec.push(tok)
+            if piece:
+                yield piece
+        tail = dec.flush()
+        if tail:
+            yield tail
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of `messages` rendered with the model's chat template, ready to generate."""
+        return self.tokenize(self.render_chat(messages), add_special=False)
+
+    def chat(self, messages: list[dict], max_tokens: int = 128, sampler: SamplerConfig | None = None,
+             stats: GenerationStats | None = None) -> str:
+        """The assistant's reply to `messages` (dicts with `role` and `content`)."""
+        return "".join(self.stream(self.chat_ids(messages), max_tokens, sampler, stats))
+
     def close(self) -> None:
         self.gguf.close()
 
