@@ -33,6 +33,7 @@ def run(
     device: Annotated[str, typer.Option(help="auto (cuda when a GPU is usable), cpu (numpy), cuda or cuda:N.")] = "auto",
     ctx: Annotated[int, typer.Option("--ctx", min=16, help="Context length (tokens).")] = 4096,
     threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="BLAS threads of the cpu backend (default 1: OpenBLAS threads slow down the small matvecs of decode; env OPENBLAS_NUM_THREADS wins).")] = None,
+    report: Annotated[Optional[Path], typer.Option("--report", help="Write DIR/report.html: a self-contained page of the run (numbers, plan, per-layer timeline, bytes per tier, bandwidth vs bound).", metavar="DIR")] = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -42,7 +43,7 @@ def run(
 
     opts = RunOptions(model=model, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                       top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
-                      system=system, raw=raw, device=device, ctx=ctx, json=json_out)
+                      system=system, raw=raw, device=device, ctx=ctx, json=json_out, report=report)
     if chat:
         run_chat(opts)
         return

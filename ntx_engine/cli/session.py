@@ -30,6 +30,7 @@ class RunOptions:
     device: str
     ctx: int
     json: bool
+    report: Optional[Path] = None  # --report DIR: write DIR/report.html after the run
 
     def sampler(self) -> SamplerConfig:
         try:
@@ -88,6 +89,8 @@ def run_once(opts: RunOptions, prompt: str) -> dict[str, Any] | None:
         ids, templated = prompt_ids(engine, opts, prompt)
         stats = stream(engine, ids, opts, echo=not opts.json)
         err.print(f"[dim]{stats_line(stats)}[/]")
+        if opts.report is not None:
+            _write_report(engine, stats, opts.report)
         if not opts.json:
             return None
         return {
@@ -100,6 +103,16 @@ def run_once(opts: RunOptions, prompt: str) -> dict[str, Any] | None:
         }
     finally:
         engine.close()
+
+
+def _write_report(engine: Engine, stats: GenerationStats, directory: Path) -> None:
+    from ntx_engine.report import RunSummary, write_report
+
+    try:
+        path = write_report(directory, RunSummary.from_run(engine, stats))
+    except OSError as exc:
+        raise UsageError(f"cannot write the report into {directory}: {exc.strerror or exc}") from exc
+    err.print(f"report: {path}")
 
 
 def run_chat(opts: RunOptions) -> None:
