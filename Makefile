@@ -8,12 +8,12 @@ PIP         := $(BIN)/python -m pip --disable-pip-version-check
 PROMPT      ?= Explain in two sentences why the sky is blue.
 LLAMA_CPP   := 0.3.36
 
-.PHONY: run test venv venv-test llama-wheel fixtures vm-assets clean
+.PHONY: run test venv venv-test llama-wheel fixtures vm-assets browser clean
 
 run: $(BIN)/ntx-run .venv/.demo
 	$(BIN)/ntx-run "$(PROMPT)" --max-tokens 64
 
-test: .venv/.test fixtures vm-assets
+test: .venv/.test fixtures vm-assets browser
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest
 
 $(BIN)/python:
@@ -48,6 +48,10 @@ fixtures: .venv/.test
 vm-assets:
 	scripts/vm/install_host.sh
 	scripts/vm/build_assets.sh
+
+# Debian's chromium for the report page test (tests/engine/test_report.py drives it with playwright).
+browser:
+	@command -v chromium >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
 
 clean:
 	rm -rf $(VENV) build *.egg-info
