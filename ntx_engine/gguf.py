@@ -390,6 +390,14 @@ class GGUFFile:
         info = self.tensor(name)
         return self._mm[info.offset:info.end]
 
+    def span_data(self, start: int, end: int) -> np.ndarray:
+        """uint8 view of file bytes [start, end) (no copy): a streamed layer's span."""
+        if self._mm is None:
+            raise GGUFError(f"{self.path}: file is closed")
+        if not 0 <= start < end <= self.file_size:
+            raise GGUFError(f"{self.path}: byte range [{start}, {end}) is outside the file ({self.file_size} bytes)")
+        return self._mm[start:end]
+
     def close(self) -> None:
         # Views handed out keep the map alive; dropping ours lets the OS unmap it when they go.
         self._mm = None

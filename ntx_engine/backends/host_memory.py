@@ -1,0 +1,29 @@
+"""Host buffers for the pipeline: pinned RAM-tier layers and storage staging.
+
+With the VFIO reader the buffer must be a hugepage `PinnedBuffer` DMA-mapped into the reader;
+for the GPU it is page-locked for CUDA too (`cuMemHostRegister`) so copies run at full PCIe
+speed; the numpy backend uses plain arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ntx_io.buffers import PinnedBuffer
+
+
+def host_buffer(nbytes: int, reader=None, *, cuda: bool, device: int = 0):
+    """A buffer of at least nbytes: a PinnedBuffer (VFIO reader or CUDA) or a numpy array."""
+    needs_pinned = reader is not None and getattr(reader, "needs_hugepages", False)
+    if not (needs_pinned or cuda):
+        return np.empty(nbytes, np.uint8)
+    # cuMemHostRegister page-locks by itself: mlock (and its RLIMIT_MEMLOCK) only without CUDA
+    buf = PinnedBuffer(nbytes, hugepages=True if needs_pinned else None, lock=not cuda)
+    if reader is not None:
+        reader.register(buf)
+    if cuda:
+        buf.register_cuda(device)
+    return buf
+
+
+def host_view(buf) -> np.ndarray:
+    return buf.numpy() if isinstance(buf, PinnedBuffer) else buf

@@ -1,0 +1,113 @@
+"""Link bandwidths the planner's cost model needs, measured at start-up and cached per machine
+in ~/.cache/ntx/links.json: kernels reading device memory, host-to-device copies from pinned
+memory, and the storage reader on the model's filesystem."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ntx_engine.planner import Links
+
+PROBE_BYTES = 256 << 20
+CACHE = Path(os.environ.get("NTX_CACHE", Path.home() / ".cache" / "ntx")) / "links.json"
+
+
+def _best_rate(nbytes: int, run, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def host_copy_bps(nbytes: int = PROBE_BYTES) -> float:
+    """memcpy bandwidth: the numpy backend's "VRAM" and "H2D" links are host memory."""
+    a, b = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    return _best_rate(nbytes, lambda: np.copyto(b, a))
+
+
+def cuda_links(backend: Any, nbytes: int = PROBE_BYTES) -> tuple[float, float]:
+    """(device-to-device read+write rate, pinned host-to-device rate) in bytes/s."""
+    from ntx_engine.backends.cuda_driver import DeviceArray, check, driver
+    from ntx_engine.backends.host_memory import host_buffer, host_view
+
+    drv, s = driver(), backend.stream
+    a, b = DeviceArray(backend.pool, (nbytes,), np.uint8), DeviceArray(backend.pool, (nbytes,), np.uint8)
+
+    def d2d() -> None:
+        check(drv.cuMemcpyDtoDAsync(b.ptr, a.ptr, nbytes, s.handle), "cuMemcpyDtoDAsync")
+        s.synchronize()
+    buf = host_buffer(nbytes, cuda=True, device=backend.device.ordinal)
+    host = host_view(buf)
+
+    def h2d() -> None:
+        check(drv.cuMemcpyHtoDAsync(a.ptr, host.ctypes.data, nbytes, s.handle), "cuMemcpyHtoDAsync")
+        s.synchronize()
+    vram = 2 * _best_rate(nbytes, d2d)  # a copy reads and writes every byte
+    rate = _best_rate(nbytes, h2d)
+    del host
+    buf.close()
+    return vram, rate
+
+
+def storage_bps(reader: Any, nbytes: int = PROBE_BYTES) -> float:
+    """Reader throughput on `nbytes` spread over the source (O_DIRECT/VFIO bypass the page cache;
+    for mmap this is the page cache's speed and says so in Links.storage_kind)."""
+    size = reader.size
+    n = min(nbytes, size - size % 4096)
+    if n <= 0:
+        return 1e9
+    dest = np.empty(n, np.uint8)
+    chunk = max(4096, (n // 8) - (n // 8) % 4096)
+    offsets = [((size - chunk) * j // 8) // 4096 * 4096 for j in range(8)]
+    reqs = [(off, chunk, dest[j * chunk:(j + 1) * chunk]) for j, off in enumerate(offsets) if (j + 1) * chunk <= n]
+    t0 = time.perf_counter()
+    reader.wait(reader.submit(reqs))
+    return sum(r[1] for r in reqs) / (time.perf_counter() - t0)
+
+
+def measure(backend: Any, model_path: str | Path, storage: str = "auto", *, use_cache: bool = True) -> Links:
+    """The links for this backend and this model's storage, from the cache when present."""
+    from ntx_io.reader import open_reader
+
+    dev = os.stat(model_path).st_dev
+    key = f"{backend.name}:{getattr(getattr(backend, 'device', None), 'name', 'host')}|dev{dev}|{storage}"
+    cached = _load_cache().get(key) if use_cache else None
+    if cached:
+        return Links(**{**cached, "source": f"cached in {CACHE}"})
+    if backend.name == "cuda":
+        vram, h2d = cuda_links(backend)
+    else:
+        vram = h2d = host_copy_bps()
+    reader, _ = open_reader(model_path, storage)
+    try:
+        sto = storage_bps(reader)
+    finally:
+        reader.close()
+    links = Links(vram=vram, h2d=h2d, storage=sto, storage_kind=reader.name, source="measured")
+    _save_cache(key, links)
+    return links
+
+
+def _load_cache() -> dict:
+    try:
+        return json.loads(CACHE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(key: str, links: Links) -> None:
+    data = _load_cache()
+    data[key] = {"vram": links.vram, "h2d": links.h2d, "storage": links.storage, "storage_kind": links.storage_kind}
+    try:
+        CACHE.parent.mkdir(parents=True, exist_ok=True)
+        CACHE.write_text(json.dumps(data, indent=1))
+    except OSError:
+        pass  # a read-only home only costs a re-measure next time

@@ -1,0 +1,161 @@
+"""Builds a model whose layers sit in the tiers a `planner.Plan` chose: VRAM-tier layers are
+loaded as usual, RAM-tier spans are copied once into pinned host buffers, storage-tier spans
+stay on disk, and `pipeline.StreamingLayers` (or the naive `MmapBaseline`) hands them out."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ntx_common.errors import UsageError
+from ntx_engine.layout import LayerSpan, layer_spans, resident_bytes
+from ntx_engine.model import LayerWeights, ModelWeights, ResidentLayers, WeightLoader
+from ntx_engine.pipeline import StreamingLayers
+from ntx_engine.planner import RAM_MARGIN, Budgets, Links, Plan, make_plan
+
+UNMEASURED = Links(vram=1e12, h2d=5e10, storage=1e9, storage_kind="auto", source="not measured")
+
+TIER_MODES = ("auto", "mmap-baseline")
+
+
+def mem_available(meminfo: str = "/proc/meminfo") -> int:
+    with open(meminfo) as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"{meminfo} has no MemAvailable line")
+
+
+def default_budgets(backend: Any, cfg: Any) -> Budgets:
+    """Budgets given in the EngineConfig, else what is free: cuMemGetInfo for the GPU, and
+    MemAvailable minus a margin for RAM (the numpy backend's "VRAM" is host memory too)."""
+    free_ram = max(0, mem_available() - RAM_MARGIN)
+    vram = cfg.vram_budget
+    if vram is None:
+        vram = backend.device.mem_info()[0] if backend.name == "cuda" else free_ram
+    return Budgets(vram=vram, ram=free_ram if cfg.ram_budget is None else cfg.ram_budget)
+
+
+def spans_of(gf: Any, cfg: Any) -> list[LayerSpan]:
+    return layer_spans(gf, cfg)
+
+
+def plan_for(gf: Any, cfg: Any, backend: Any, ecfg: Any, n_ctx: int, *, measure_links: bool = False) -> Plan:
+    """The placement for this model under the configured budgets. Links are measured (or read
+    from the cache) only when something streams or `measure_links` asks for them."""
+    spans, head = layer_spans(gf, cfg), resident_bytes(gf, cfg)
+    budgets = default_budgets(backend, ecfg)
+    plan = make_plan(spans, head, cfg, n_ctx, budgets, ecfg.links or UNMEASURED, n_slots=ecfg.n_slots)
+    if (plan.streamed or measure_links) and ecfg.links is None:
+        from ntx_engine.links import measure
+
+        links = measure(backend, gf.path, ecfg.storage)
+        plan = make_plan(spans, head, cfg, n_ctx, budgets, links, n_slots=ecfg.n_slots)
+    return plan
+
+
+def make_ring(backend: Any, n_slots: int, slot_bytes: int) -> Any:
+    if backend.name == "cuda":
+        from ntx_engine.backends.cuda_ring import CudaRing
+
+        return CudaRing(backend, n_slots, slot_bytes)
+    from ntx_engine.backends.numpy_ring import NumpyRing
+
+    return NumpyRing(backend, n_slots, slot_bytes)
+
+
+class SlotWeights:
+    """Builds a streamed layer's LayerWeights over the slot that holds its span."""
+
+    def __init__(self, loader: WeightLoader, spans: list[LayerSpan], ring: Any, layers: list[int]) -> None:
+        self.ring, self.spans = ring, spans
+        self.specs = {i: loader.matrix_specs(i) for i in layers}
+        self.vectors = {i: loader.layer_vectors(i) for i in layers}
+        self.nbytes = {name: loader.gf.tensors[name].nbytes for i in layers for name, _, _ in self.specs[i].values()}
+
+    def __call__(self, i: int, mem: Any) -> LayerWeights:
+        offsets = self.spans[i].tensors
+        mats = {f: self.ring.matrix(mem, offsets[name], self.nbytes[name], t, shape, name)
+                for f, (name, t, shape) in self.specs[i].items()}
+        return LayerWeights(**mats, **self.vectors[i])
+
+
+def build(gf: Any, loader: WeightLoader, spans: list[LayerSpan], plan: Plan, *, mode: str = "auto",
+          reader: Any = None, base_offset: int = 0,
+          progress: Callable[[int, int], None] | None = None) -> tuple[ModelWeights, Any]:
+    """(weights with VRAM-tier layers loaded, the Transformer's layer source)."""
+    if mode not in TIER_MODES:
+        raise UsageError(f"--tiers must be one of {', '.join(TIER_MODES)}, got {mode!r}")
+    tiers = [p.tier for p in plan.placements]
+    weights = loader.load(progress, layers=plan.layers_in("vram"))
+    if not plan.streamed:
+        return weights, ResidentLayers(weights.layers)
+    streamed = [i for i, t in enumerate(tiers) if t != "vram"]
+    resident = {i: weights.layers[i] for i, t in enumerate(tiers) if t == "vram"}
+    if mode == "mmap-baseline":
+        ring = make_ring(loader.backend, 1, plan.slot_bytes)
+        return weights, MmapBaseline(gf, spans, tiers, ring, resident, SlotWeights(loader, spans, ring, streamed))
+    ring = make_ring(loader.backend, plan.n_slots, plan.slot_bytes)
+    pinned, keep = _pin(gf, spans, ring, plan.layers_in("ram"))
+    size = 0
+    if plan.layers_in("storage") and reader is None:
+        from ntx_io.reader import open_reader
+
+        kind = plan.links.storage_kind
+        reader, _ = open_reader(gf.path, kind if kind in ("direct", "mmap") else "auto")
+    if reader is not None:
+        size = reader.size
+    source = StreamingLayers(spans, tiers, ring, resident, pinned, SlotWeights(loader, spans, ring, streamed),
+                             reader=reader, base_offset=base_offset, n_staging=plan.n_staging, source_size=size)
+    source.pinned_buffers = keep  # the buffer objects own the pinned memory the views point into
+    return weights, source
+
+
+def _pin(gf: Any, spans: list[LayerSpan], ring: Any, layers: list[int]) -> tuple[dict[int, np.ndarray], list]:
+    """Copy RAM-tier spans into pinned host buffers once (the bytes then never touch the disk);
+    returns the per-layer views and the buffers that own them."""
+    pinned, keep = {}, []
+    for i in layers:
+        buf = ring.host_buffer(spans[i].nbytes)
+        view = ring.host_view(buf)[: spans[i].nbytes]
+        np.copyto(view, gf.span_data(spans[i].start, spans[i].end))
+        pinned[i] = view
+        keep.append(buf)
+    return pinned, keep
+
+
+class MmapBaseline:
+    """`--tiers mmap-baseline`: the naive way every benchmark compares against. Each streamed
+    layer is copied from the page-cache mapping (pageable memory) into one slot and waited for,
+    layer by layer: no pinned memory, no read-ahead, no overlap of I/O, copies and compute."""
+
+    def __init__(self, gf, spans, tiers, ring, resident, make_weights) -> None:
+        self.gf, self.spans, self.tiers, self.ring = gf, spans, tiers, ring
+        self.resident, self.make_weights = resident, make_weights
+        self.stats_bytes = {"vram": 0, "ram": 0, "storage": 0}
+        self.copy_s = 0.0
+
+    def acquire(self, i: int) -> LayerWeights:
+        span = self.spans[i]
+        self.stats_bytes[self.tiers[i]] += span.nbytes
+        if self.tiers[i] == "vram":
+            return self.resident[i]
+        self.ring.synchronize()  # the previous layer's compute must be done with the slot
+        t0 = time.perf_counter()
+        self.ring.copy_in(0, np.asarray(self.gf.span_data(span.start, span.end)))
+        self.ring.synchronize()
+        self.copy_s += time.perf_counter() - t0
+        self.ring.before_compute(0)
+        return self.make_weights(i, self.ring.slot_view(0, span.nbytes))
+
+    def release(self, i: int) -> None:
+        if self.tiers[i] != "vram":
+            self.ring.after_compute(0)
+
+    def set_active(self, layers) -> None:
+        pass
+
+    def close(self) -> None:
+        self.ring.close()

@@ -1,0 +1,189 @@
+"""The 3-tier pipeline on the numpy backend: SmolLM2 under budgets that force each tier and all
+three at once gives exactly the all-resident logits and tokens; the pipeline's ordering (slot
+reuse, staging reuse) is checked with a ring that verifies every layer's bytes against the
+file while threads race, and failures surface as clear errors instead of hangs."""
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+
+from ntx_common.errors import ModelError, NtxIOError
+from ntx_engine.backends.numpy_ring import NumpyRing
+from ntx_engine.engine import Engine, EngineConfig
+from ntx_engine.layout import LayerSpan
+from ntx_engine.pipeline import StreamingLayers
+from ntx_engine.planner import Links
+
+LINKS = Links(vram=2e10, h2d=1e10, storage=1e9, storage_kind="direct")
+MiB = 1 << 20
+N_CTX = 128
+PROMPT = "The three primary colors are"
+
+
+@pytest.fixture(scope="module")
+def resident(smollm2_path):
+    eng = Engine.load(smollm2_path, EngineConfig(device="cpu", n_ctx=N_CTX, links=LINKS))
+    ids = eng.tokenize(PROMPT)
+    out = {"ids": ids, "logits": eng.logits(ids), "tokens": list(eng.generate(ids, 8)), "plan": eng.plan()}
+    eng.close()
+    assert not out["plan"].streamed
+    return out
+
+
+def budget_for(plan_layers_vram: int, layer: int, fixed: int) -> int:
+    return fixed + (3 + plan_layers_vram) * layer
+
+
+# VRAM budget: SmolLM2 at n_ctx 128 needs ~95 MiB of reserves (KV, workspaces, head, margin)
+# plus the ring; each layer is ~2.1 MiB. RAM budget: staging (3 slots) + pinned layers.
+CASES = {
+    "three tiers": ("110M", "20M", {"vram", "ram", "storage"}),
+    "ram only": ("101M", "1G", {"ram"}),
+    "storage only": ("101M", "0", {"storage"}),
+    "vram only": (None, None, {"vram"}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tiers_match_resident(smollm2_path, resident, case):
+    from ntx_engine.planner import parse_size
+
+    vram, ram, expect = CASES[case]
+    cfg = EngineConfig(device="cpu", n_ctx=N_CTX, links=LINKS,
+                       vram_budget=None if vram is None else parse_size(vram),
+                       ram_budget=None if ram is None else parse_size(ram))
+    eng = Engine.load(smollm2_path, cfg)
+    try:
+        plan = eng.plan()
+        assert {p.tier for p in plan.placements} == expect
+        logits = eng.logits(resident["ids"])
+        np.testing.assert_array_equal(logits, resident["logits"])  # same bytes, same kernels: bit-exact
+        tokens = list(eng.generate(resident["ids"], 8))
+        assert tokens == resident["tokens"]
+        if plan.streamed:
+            st = eng.model.source.stats
+            assert st.passes == 8  # one prefill pass + 7 decode steps
+            per_pass = plan.bytes_per_tier
+            assert st.bytes["ram"] == 8 * per_pass["ram"] and st.bytes["storage"] == 8 * per_pass["storage"]
+            assert eng.tier_stats()["pipeline"]["bytes"] == st.bytes
+    finally:
+        eng.close()
+
+
+def test_mmap_baseline_matches_resident(smollm2_path, resident):
+    eng = Engine.load(smollm2_path, EngineConfig(device="cpu", n_ctx=N_CTX, links=LINKS, vram_budget=101 * MiB,
+                                                 ram_budget=0, tiers="mmap-baseline"))
+    try:
+        assert eng.plan().streamed
+        assert list(eng.generate(resident["ids"], 8)) == resident["tokens"]
+        assert eng.model.source.ring.n_slots == 1
+    finally:
+        eng.close()
+
+
+# --- the pipeline alone, with a ring that checks every byte ---------------------------------
+
+class SlowReader:
+    """Reads from an in-memory "disk" with random delays; optionally fails on one read."""
+
+    name, needs_hugepages = "fake", False
+
+    def __init__(self, disk: np.ndarray, fail_at: int | None = None, seed: int = 0) -> None:
+        self.disk, self.size, self.fail_at, self.reads = disk, len(disk), fail_at, 0
+        self.rng = random.Random(seed)
+
+    def read_into(self, offset, length, dest) -> None:
+        self.reads += 1
+        if self.fail_at is not None and self.reads > self.fail_at:
+            raise NtxIOError("fake disk: read error at offset %d" % offset)
+        time.sleep(self.rng.random() * 0.002)
+        dest[:length] = self.disk[offset:offset + length]
+
+
+class CheckingRing(NumpyRing):
+    """Random copy delays; every acquired slot must hold exactly its layer's bytes, and still
+    hold them at release (a slot overwritten while computed would fail here)."""
+
+    def __init__(self, *a, seed=1, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.rng = random.Random(seed)
+
+    def copy_in(self, slot, src) -> None:
+        time.sleep(self.rng.random() * 0.002)
+        super().copy_in(slot, src)
+
+
+def make_pipeline(tiers, n_slots=2, n_staging=2, fail_at=None, seed=0):
+    rng = np.random.default_rng(seed)
+    sizes = [int(rng.integers(5000, 20000)) for _ in tiers]
+    disk = rng.integers(0, 256, sum(sizes) + 8192, dtype=np.uint8)
+    spans, pos = [], 4096 + 13  # unaligned starts exercise the IO_ALIGN widening
+    for i, n in enumerate(sizes):
+        spans.append(LayerSpan(i, pos, pos + n, {}, n))
+        pos += n
+    ring = CheckingRing(None, n_slots, max(sizes), seed=seed + 1)
+    pinned = {i: disk[s.start:s.end].copy() for i, s in enumerate(spans) if tiers[i] == "ram"}
+    resident = {i: ("resident", i) for i, t in enumerate(tiers) if t == "vram"}
+    seen = []
+
+    def make_weights(i, mem):
+        expect = disk[spans[i].start:spans[i].end]
+        assert np.array_equal(mem, expect), f"layer {i}: slot holds wrong bytes"
+        seen.append(i)
+        return ("streamed", i, mem)
+
+    src = StreamingLayers(spans, list(tiers), ring, resident, pinned, make_weights,
+                          reader=SlowReader(disk, fail_at, seed), n_staging=n_staging, source_size=len(disk))
+    return src, spans, disk, seen
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("n_slots,n_staging", [(2, 1), (2, 2), (3, 3)])
+def test_pipeline_orders_slots_and_staging(seed, n_slots, n_staging):
+    tiers = ["vram", "storage", "ram", "storage", "storage", "vram", "ram", "storage"]
+    src, spans, disk, seen = make_pipeline(tiers, n_slots, n_staging, seed=seed)
+    try:
+        for _ in range(12):  # passes, like tokens
+            for i in range(len(tiers)):
+                w = src.acquire(i)
+                if tiers[i] != "vram":
+                    time.sleep(random.random() * 0.001)  # "compute"
+                    assert np.array_equal(w[2], disk[spans[i].start:spans[i].end]), "slot overwritten in use"
+                src.release(i)
+        streamed = [i for i, t in enumerate(tiers) if t != "vram"]
+        assert seen == streamed * 12
+        assert src.stats.passes == 12
+    finally:
+        src.close()
+
+
+def test_skip_changes_what_streams():
+    tiers = ["ram", "storage", "ram", "storage"]
+    src, spans, disk, seen = make_pipeline(tiers, seed=3)
+    try:
+        src.set_active([0, 3])  # layers 1 and 2 skipped: never read again
+        for _ in range(3):
+            for i in (0, 3):
+                src.acquire(i)
+                src.release(i)
+        assert seen == [0, 3] * 3
+        with pytest.raises(ModelError, match="streams layer 0 next"):
+            src.acquire(1)
+    finally:
+        src.close()
+
+
+def test_read_failure_is_an_error_not_a_hang():
+    tiers = ["storage", "storage", "storage"]
+    src, *_ = make_pipeline(tiers, fail_at=4, seed=5)
+    try:
+        with pytest.raises(NtxIOError, match="fake disk: read error"):
+            for _ in range(10):
+                for i in range(3):
+                    src.acquire(i)
+                    src.release(i)
+    finally:
+        src.close()
