@@ -13,7 +13,12 @@ from ntx_common.errors import ModelError
 ROPE_NORM = "norm"
 ROPE_NEOX = "neox"
 
-SUPPORTED_ARCHS = {"llama": ROPE_NORM, "qwen2": ROPE_NEOX}
+SUPPORTED_ARCHS = {"llama": ROPE_NORM, "qwen2": ROPE_NEOX, "qwen2moe": ROPE_NEOX, "qwen3moe": ROPE_NEOX}
+# Whether llama.cpp renormalizes the top-k router probabilities to sum to 1, per architecture
+# (hard-coded in its graph builders, not read from the file): Mixtral-style llama and qwen3moe
+# do, qwen2moe does not (its shared expert carries the rest).
+EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+MOE_ARCHS = ("qwen2moe", "qwen3moe")  # architectures that always have experts
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,13 @@ class ModelConfig:
     vocab_size: int
     tied_embeddings: bool
     qkv_bias: bool
+    # mixture of experts (moe.py); 0 experts = a dense model
+    n_expert: int = 0  # experts per layer (`expert_count`)
+    n_expert_used: int = 0  # experts each token is routed to (`expert_used_count`)
+    n_ff_exp: int = 0  # rows of one expert's gate/up (`expert_feed_forward_length`)
+    n_ff_shexp: int = 0  # rows of the shared expert (qwen2moe), 0 when there is none
+    expert_weights_norm: bool = False  # top-k weights renormalized to sum 1
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (qwen3moe)
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "vocab_size"):
@@ -46,6 +58,17 @@ class ModelConfig:
             raise ValueError(f"rope_dim {self.rope_dim} must be even and <= head_dim {self.head_dim}")
         if self.rope_type not in (ROPE_NORM, ROPE_NEOX):
             raise ValueError(f"unknown rope type {self.rope_type!r}")
+        if self.n_expert < 0 or self.n_expert_used < 0 or self.n_ff_exp < 0 or self.n_ff_shexp < 0:
+            raise ValueError("expert counts and widths must not be negative")
+        if self.n_expert and not 0 < self.n_expert_used <= self.n_expert:
+            raise ValueError(f"expert_used_count {self.n_expert_used} must be between 1 and "
+                             f"expert_count {self.n_expert}")
+        if self.n_expert and self.n_ff_exp <= 0:
+            raise ValueError("a mixture-of-experts model needs a positive expert feed-forward length")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
 
     @property
     def q_dim(self) -> int:
@@ -69,12 +92,13 @@ class ModelConfig:
         vocab = metadata.get(f"{arch}.vocab_size")
         if vocab is None:
             vocab = len(metadata["tokenizer.ggml.tokens"])
+        experts = _expert_fields(get, arch)
         try:
             return cls(
                 arch=arch,
                 n_layers=int(get("block_count")),
                 n_embd=n_embd,
-                n_ff=int(get("feed_forward_length")),
+                n_ff=int(get("feed_forward_length", *([experts["n_ff_exp"]] if experts else []))),
                 n_head=n_head,
                 n_head_kv=int(get("attention.head_count_kv", n_head)),
                 head_dim=head_dim,
@@ -88,6 +112,8 @@ class ModelConfig:
                 vocab_size=int(vocab),
                 tied_embeddings="output.weight" not in tensor_names,
                 qkv_bias="blk.0.attn_q.bias" in tensor_names,
+                qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+                **experts,
             )
         except ValueError as exc:
             raise ModelError(f"inconsistent {arch} hyper-parameters in the GGUF metadata: {exc}") from exc
@@ -105,6 +131,28 @@ def _getter(metadata: Mapping[str, Any], arch: str):
         return value
 
     return get
+
+
+def _expert_fields(get, arch: str) -> dict[str, Any]:
+    """The MoE hyper-parameters, as llama.cpp derives them: an expert's width defaults to
+    feed_forward_length / expert_used_count (qwen*moe) or feed_forward_length itself (llama)."""
+    n_expert = int(get("expert_count", 0))
+    if n_expert == 0:
+        if arch in MOE_ARCHS:
+            raise ModelError(f"GGUF metadata lacks {arch}.expert_count, which a {arch} model needs")
+        return {}
+    used = int(get("expert_used_count", 0))
+    if not 0 < used <= n_expert:
+        raise ModelError(f"{arch}.expert_used_count is {used} but {arch}.expert_count is {n_expert}: "
+                         f"each token must use between 1 and {n_expert} experts; the file's metadata is broken")
+    n_ff = int(get("feed_forward_length", 0))
+    default_exp = n_ff if arch == "llama" else n_ff // used
+    n_ff_exp = int(get("expert_feed_forward_length", default_exp))
+    shexp = int(get("expert_shared_feed_forward_length", n_ff)) if arch == "qwen2moe" else 0
+    if n_ff_exp <= 0:
+        raise ModelError(f"GGUF metadata lacks {arch}.expert_feed_forward_length (and feed_forward_length)")
+    return dict(n_expert=n_expert, n_expert_used=used, n_ff_exp=n_ff_exp, n_ff_shexp=shexp,
+                expert_weights_norm=EXPERT_WEIGHTS_NORM[arch])
 
 
 def _rope_freq_scale(get) -> float:

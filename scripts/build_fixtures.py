@@ -2,10 +2,12 @@
 """Build the oracle-test fixtures once and cache them (default ~/.cache/ntx/fixtures).
 
 1. Re-quantized variants of SmolLM2-135M-Instruct (llama.cpp's own quantizer, allow_requantize).
-2. Tiny synthetic llama (256-multiple widths, every K-quant) and qwen2 (biases, NeoX RoPE) models.
+2. Tiny synthetic llama (256-multiple widths, every K-quant) and qwen2 (biases, NeoX RoPE) models,
+   and tiny mixture-of-experts models (Mixtral-style llama, qwen2moe, qwen3moe).
 3. llama.cpp's logits and greedy continuations for every model (F16 KV cache, as llama.cpp
    defaults; plus an F32 KV cache for the F32 models), saved as .npz.
-A manifest records what was built; bump FIXTURE_VERSION when any of this changes.
+A manifest records what was built; bump FIXTURE_VERSION when any of this changes. Entries that
+are only added (new models) do not need a bump: a manifest that lacks some is completed in place.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ FIXTURE_VERSION = 2
 SMOLLM_VARIANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K")
 TINY_LLAMA_VARIANTS = ("Q8_0", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K")
 TINY_QWEN2_VARIANTS = ("Q8_0",)
+# family: (write_tiny_moe arch, seed, variants); llama.cpp keeps ffn_gate_inp in F32 when quantizing
+TINY_MOE = {"tiny-llamamoe": ("llama", 3, ("Q8_0", "Q4_K_M")), "tiny-qwen2moe": ("qwen2moe", 4, ("Q8_0",)),
+            "tiny-qwen3moe": ("qwen3moe", 5, ("Q8_0",))}
 
 
 def source_model() -> Path:
@@ -75,6 +80,12 @@ def build_models(models: Path) -> dict[str, Path]:
             tiny_models.write_tiny(base.with_suffix(".tmp"), src, arch, seed=1 if arch == "llama" else 2)
             base.with_suffix(".tmp").rename(base)
         plan += [(f"tiny-{arch}", base, v) for v in variants]
+    for family, (arch, seed, variants) in TINY_MOE.items():
+        base = out[f"{family}-F32"] = models / f"{family}-F32.gguf"
+        if not base.exists():
+            tiny_models.write_tiny_moe(base.with_suffix(".tmp"), src, arch, seed=seed)
+            base.with_suffix(".tmp").rename(base)
+        plan += [(family, base, v) for v in variants]
     for family, base, ftype in plan:
         path = out[f"{family}-{ftype}"] = models / f"{family}-{ftype}.gguf"
         if not path.exists():
@@ -82,6 +93,14 @@ def build_models(models: Path) -> dict[str, Path]:
             quantize(base, path, ftype)
             print(f"  quantized {family}-{ftype} in {time.time() - t:.1f}s", file=sys.stderr)
     return out
+
+
+def expected_models() -> list[str]:
+    names = ["smollm2-Q4_1", *(f"smollm2-{v}" for v in SMOLLM_VARIANTS)]
+    for family, variants in (("tiny-llama", TINY_LLAMA_VARIANTS), ("tiny-qwen2", TINY_QWEN2_VARIANTS),
+                             *((f, v[2]) for f, v in TINY_MOE.items())):
+        names += [f"{family}-F32", *(f"{family}-{v}" for v in variants)]
+    return names
 
 
 def build_oracles(models: dict[str, Path], oracle: Path) -> list[str]:
@@ -105,7 +124,7 @@ def main() -> None:
     args = ap.parse_args()
     root = args.cache / f"v{FIXTURE_VERSION}"
     manifest = root / "manifest.json"
-    if manifest.exists():
+    if manifest.exists() and set(expected_models()) <= set(json.loads(manifest.read_text())["models"]):
         print(f"fixtures up to date in {root}", file=sys.stderr)
         return
     (root / "models").mkdir(parents=True, exist_ok=True)
