@@ -80,8 +80,10 @@ def render_report(run: RunSummary) -> str:
     if isinstance(st.get("bandwidth"), Mapping) or _num(st.get("bound_tok_s")) is not None:
         sections.append(_bandwidth(st.get("bandwidth") or {}, _num(st.get("bound_tok_s")), run.decode_tok_s))
     title = f"ntx run: {escape(run.model)}"
-    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{title}</title>"
-            f"<style>{_CSS}</style></head><body><h1>{title}</h1>\n" + "\n".join(sections) + "\n</body></html>\n")
+    # the empty data: icon keeps browsers from asking the server for /favicon.ico (a 404)
+    head = f'<meta charset="utf-8"><link rel="icon" href="data:,"><title>{title}</title><style>{_CSS}</style>'
+    return (f'<!DOCTYPE html>\n<html lang="en"><head>{head}</head><body><h1>{title}</h1>\n'
+            + "\n".join(sections) + "\n</body></html>\n")
 
 
 _CSS = ("body{font:14px system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:.5em 0 1.5em}"
