@@ -1,8 +1,8 @@
-"""Stop strings (`stop` in the OpenAI API) cut the generated text where they first appear.
+"""Stop strings (`stop` in the OpenAI API) cut the generated text where the first one begins.
 
-Text streams out piece by piece, so a piece that ends with the start of a stop string is held
-back until the next piece shows whether the stop string completes; the client never sees text
-that a stop string would have removed.
+Text streams out piece by piece, so text that may begin a stop string is held back until later
+pieces settle it; the client never sees text that a stop string would have removed. A stop
+string found in the buffer wins only once no other stop string could still begin before it.
 """
 
 from __future__ import annotations
@@ -15,26 +15,31 @@ class StopMatcher:
 
     def push(self, piece: str) -> tuple[str, bool]:
         """Text safe to send now, and whether a stop string was hit (generation ends)."""
-        buf = self._held + piece
+        self._held += piece
+        return self._drain(final=False)
+
+    def flush(self) -> tuple[str, bool]:
+        """Once generation ended: the held-back text, cut at a stop string it holds."""
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> tuple[str, bool]:
+        buf = self._held
         hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        first = min(hits, default=len(buf))
+        pending = len(buf) if final else self._partial_start(buf)
+        if hits and first <= pending:
             self._held = ""
-            return buf[:min(hits)], True
-        keep = self._partial_suffix(buf)
-        self._held = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep], False
+            return buf[:first], True
+        safe = min(first, pending)
+        self._held = buf[safe:]
+        return buf[:safe], False
 
-    def flush(self) -> str:
-        """The held-back tail once generation ended without completing a stop string."""
-        out, self._held = self._held, ""
-        return out
-
-    def _partial_suffix(self, buf: str) -> int:
-        """Length of the longest end of `buf` that begins some stop string."""
-        best = 0
+    def _partial_start(self, buf: str) -> int:
+        """Where the earliest end of `buf` that is a proper prefix of a stop string begins."""
+        start = len(buf)
         for s in self.stops:
-            for n in range(min(len(s) - 1, len(buf)), best, -1):
-                if buf.endswith(s[:n]):
-                    best = n
+            for j in range(max(0, len(buf) - len(s) + 1), start):
+                if s.startswith(buf[j:]):
+                    start = j
                     break
-        return best
+        return start

@@ -105,9 +105,10 @@ class Worker:
             pieces.close()  # ends the engine's generator: no more decode steps
         self.metrics.add(generated_tokens=stats.generated - counted, prompt_tokens=stats.prompt_tokens)
         if not finish:
-            if tail := stop.flush():
+            tail, hit = stop.flush()
+            if tail:
                 job.emit(Event("text", tail))
-            finish = "stop" if stats.stop_reason == "eos" else "length"
+            finish = "stop" if hit or stats.stop_reason == "eos" else "length"
         self._record(stats, time.perf_counter() - t0)
         return Event("done", finish=finish, prompt_tokens=stats.prompt_tokens, completion_tokens=stats.generated)
 
