@@ -13,7 +13,7 @@ from fastapi.responses import HTMLResponse, PlainTextResponse
 from ntx_engine.engine import Engine
 from ntx_engine.report import RunSummary, render_report
 from ntx_serve.completions import router
-from ntx_serve.errors import install_handlers
+from ntx_serve.errors import APIError, install_handlers
 from ntx_serve.metrics import Metrics
 from ntx_serve.worker import Worker
 
@@ -60,8 +60,6 @@ def _add_info_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> dict:
-        from ntx_serve.errors import APIError
-
         st: ServerState = request.app.state.ntx
         if model_id != st.model_id:
             raise APIError(404, f"model {model_id!r} is not served here", param="model", code="model_not_found")

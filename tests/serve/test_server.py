@@ -156,8 +156,7 @@ def test_prompt_longer_than_the_context(server):
 
 
 def test_max_tokens_over_the_limit(server):
-    n_prompt = len(server_tokens(server, RAW_PROMPT))
-    room = 512 - n_prompt
+    room = 512 - _prompt_len(server, RAW_PROMPT)
     status, out = server.post("/v1/completions", {"model": server.model_id, "prompt": RAW_PROMPT, "max_tokens": room + 1})
     err = _assert_openai_error(status, out, 400, "max_tokens")
     assert str(room) in err["message"]
@@ -165,10 +164,10 @@ def test_max_tokens_over_the_limit(server):
     _assert_openai_error(status, out, 400, "max_tokens")
 
 
-def server_tokens(server, prompt: str) -> list[int]:
+def _prompt_len(server, prompt: str) -> int:
     status, out = server.post("/v1/completions", {"model": server.model_id, "prompt": prompt, "max_tokens": 0})
     assert status == 200, out
-    return [0] * out["usage"]["prompt_tokens"]
+    return out["usage"]["prompt_tokens"]
 
 
 def test_concurrent_requests_all_complete(server, raw_ref):
@@ -194,11 +193,17 @@ def test_concurrent_requests_all_complete(server, raw_ref):
     assert after[key] - before.get(key, 0) == 4
 
 
-def _open_stream(server, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+def _send(server, body: dict) -> http.client.HTTPConnection:
+    """A request sent on a connection we can drop at will (the response is not read here)."""
     u = urlparse(server.url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    return conn, conn.getresponse()
+    return conn
+
+
+def _drop(conn: http.client.HTTPConnection) -> None:
+    conn.sock.shutdown(2)
+    conn.close()
 
 
 def _wait_idle(server, key: str, want: float, timeout: float = 30.0) -> dict:
@@ -211,42 +216,53 @@ def _wait_idle(server, key: str, want: float, timeout: float = 30.0) -> dict:
     pytest.fail(f"server still busy or {key} < {want} after {timeout} s: {server.metrics()}")
 
 
+CANCELLED = 'ntx_requests_total{endpoint="completions",outcome="cancelled"}'
+
+
+def _long(stream: bool) -> dict:
+    return {"prompt": RAW_PROMPT, "max_tokens": 400, "temperature": 0, "stream": stream}
+
+
 def test_disconnect_mid_stream_stops_generation(server):
-    key = 'ntx_requests_total{endpoint="completions",outcome="cancelled"}'
     before = server.metrics()
-    n_max = 400
-    conn, resp = _open_stream(server, {"model": server.model_id, "prompt": RAW_PROMPT, "max_tokens": n_max,
-                                       "temperature": 0, "stream": True})
+    conn = _send(server, {"model": server.model_id, **_long(True)})
+    resp = conn.getresponse()
     assert resp.status == 200
     seen = 0
     while seen < 3:  # a few pieces arrived: generation is under way
         line = resp.readline()
         assert line, "stream ended early"
         seen += line.startswith(b"data: {")
-    conn.sock.shutdown(2)
-    conn.close()
-    after = _wait_idle(server, key, before.get(key, 0) + 1)
+    _drop(conn)
+    after = _wait_idle(server, CANCELLED, before.get(CANCELLED, 0) + 1)
     generated = after["ntx_generated_tokens_total"] - before["ntx_generated_tokens_total"]
-    assert 3 <= generated < n_max // 4, generated  # stopped long before max_tokens
+    assert 3 <= generated < 100, generated  # stopped long before max_tokens (400)
 
 
 def test_disconnect_while_waiting_for_a_full_reply(server):
-    key = 'ntx_requests_total{endpoint="completions",outcome="cancelled"}'
     before = server.metrics()
-    conn, _ = _open_request_without_reading(server, {"model": server.model_id, "prompt": RAW_PROMPT,
-                                                     "max_tokens": 400, "temperature": 0})
+    conn = _send(server, {"model": server.model_id, **_long(False)})
     time.sleep(1.0)
-    conn.sock.shutdown(2)
-    conn.close()
-    after = _wait_idle(server, key, before.get(key, 0) + 1)
+    _drop(conn)
+    after = _wait_idle(server, CANCELLED, before.get(CANCELLED, 0) + 1)
     assert after["ntx_generated_tokens_total"] - before["ntx_generated_tokens_total"] < 100
 
 
-def _open_request_without_reading(server, body: dict):
-    u = urlparse(server.url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    return conn, None
+def test_disconnect_while_queued(server):
+    # a queued request whose client leaves is never generated; the one in hand still runs
+    before = server.metrics()
+    first = _send(server, {"model": server.model_id, **_long(True)})
+    resp = first.getresponse()
+    assert resp.status == 200 and resp.readline()
+    queued = _send(server, {"model": server.model_id, **_long(False)})
+    time.sleep(0.5)
+    assert server.metrics()["ntx_queue_depth"] == 1
+    _drop(queued)
+    time.sleep(0.5)  # longer than the handler's disconnect poll
+    _drop(first)
+    after = _wait_idle(server, CANCELLED, before.get(CANCELLED, 0) + 2)
+    assert after["ntx_generated_tokens_total"] - before["ntx_generated_tokens_total"] < 100
+    assert after["ntx_prompt_tokens_total"] - before["ntx_prompt_tokens_total"] == _prompt_len(server, RAW_PROMPT)
 
 
 def test_health(server):
