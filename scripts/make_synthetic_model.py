@@ -6,6 +6,11 @@ are finite fp16 values sized so activations stay in range through all layers; th
 block is random bits. Written with gguf-py's GGUFWriter (llama.cpp loads these files too).
 
     python scripts/make_synthetic_model.py --shape llama3-8b --mix q4_k_m -o /tmp/l8b-q4km.gguf
+    python scripts/make_synthetic_model.py --shape mixtral-8x7b --mix q4_k_m -o /tmp/mixtral.gguf
+
+Mixture-of-experts shapes (MOE_SHAPES) write 3-D expert tensors `ffn_{gate,up,down}_exps`, an F32
+router `ffn_gate_inp`, a shared expert for qwen2moe and q/k norms for qwen3moe; in the q4_k_m mix
+the experts' down projection is Q6_K like the dense ffn_down.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +33,33 @@ SHAPES = {
     "llama3-70b": (80, 8192, 28672, 64, 8, 128256, 500000.0, 8192),
     "smollm2-135m": (30, 576, 1536, 9, 3, 49152, 100000.0, 8192),
     "tiny": (2, 256, 512, 4, 2, 512, 10000.0, 512),
+}
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    arch: str  # llama (Mixtral-style), qwen2moe or qwen3moe
+    n_layers: int
+    n_embd: int
+    n_ff_exp: int  # one expert's gate/up rows
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    vocab: int
+    rope_base: float
+    context: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_shexp: int = 0  # shared expert rows (qwen2moe)
+
+
+MOE_SHAPES = {
+    "mixtral-8x7b": MoeShape("llama", 32, 4096, 14336, 32, 8, 128, 32000, 1e6, 32768, 8, 2),
+    "qwen3-30b-a3b": MoeShape("qwen3moe", 48, 2048, 768, 32, 4, 128, 151936, 1e6, 40960, 128, 8),
+    "qwen1.5-moe-a2.7b": MoeShape("qwen2moe", 24, 2048, 1408, 16, 16, 128, 151936, 1e6, 8192, 60, 4, 5632),
+    "tiny-moe": MoeShape("llama", 2, 256, 256, 4, 2, 64, 512, 10000.0, 512, 8, 2),
+    "tiny-qwen2moe": MoeShape("qwen2moe", 2, 256, 256, 4, 2, 64, 512, 1e6, 512, 8, 4, 512),
+    "tiny-qwen3moe": MoeShape("qwen3moe", 2, 256, 256, 4, 2, 128, 512, 1e6, 512, 16, 4),
 }
 
 T = GGMLType
@@ -95,10 +128,100 @@ def tensor_plan(shape: str, n_layers: int | None, mix: str) -> tuple[tuple, list
     return (layers, e, ff, nh, nkv, vocab, base, ctx), plan
 
 
+def moe_tensor_plan(shape: str, n_layers: int | None, mix: str) -> tuple[MoeShape, list[tuple[str, GGMLType, tuple[int, ...]]]]:
+    """The MoE shape (layer count applied) and (name, type, numpy shape) of every tensor."""
+    m = MOE_SHAPES[shape]
+    if n_layers:
+        m = MoeShape(**{**m.__dict__, "n_layers": n_layers})
+    default, special = MIXES[mix]
+    e, q_dim, kv_dim, ff, n_exp = m.n_embd, m.n_head * m.head_dim, m.n_head_kv * m.head_dim, m.n_ff_exp, m.n_expert
+
+    def typed(name: str, kind: str, shp: tuple[int, ...]):
+        return (name, special.get(kind, default), shp)
+
+    plan = [typed("token_embd.weight", "token_embd", (m.vocab, e)), ("output_norm.weight", T.F32, (e,)),
+            typed("output.weight", "output", (m.vocab, e))]
+    for i in range(m.n_layers):
+        p = f"blk.{i}."
+        plan += [(p + "attn_norm.weight", T.F32, (e,)), typed(p + "attn_q.weight", "attn_q", (q_dim, e)),
+                 typed(p + "attn_k.weight", "attn_k", (kv_dim, e)), typed(p + "attn_v.weight", "attn_v", (kv_dim, e)),
+                 typed(p + "attn_output.weight", "attn_output", (e, q_dim)), (p + "ffn_norm.weight", T.F32, (e,)),
+                 (p + "ffn_gate_inp.weight", T.F32, (n_exp, e)),
+                 typed(p + "ffn_gate_exps.weight", "ffn_gate", (n_exp, ff, e)),
+                 typed(p + "ffn_up_exps.weight", "ffn_up", (n_exp, ff, e)),
+                 typed(p + "ffn_down_exps.weight", "ffn_down", (n_exp, e, ff))]
+        if m.arch == "qwen3moe":
+            plan += [(p + "attn_q_norm.weight", T.F32, (m.head_dim,)), (p + "attn_k_norm.weight", T.F32, (m.head_dim,))]
+        if m.n_ff_shexp:
+            sh = m.n_ff_shexp
+            plan += [(p + "ffn_gate_inp_shexp.weight", T.F32, (e,)),
+                     typed(p + "ffn_gate_shexp.weight", "ffn_gate", (sh, e)),
+                     typed(p + "ffn_up_shexp.weight", "ffn_up", (sh, e)),
+                     typed(p + "ffn_down_shexp.weight", "ffn_down", (e, sh))]
+    return m, plan
+
+
+def _moe_header(w, m: MoeShape) -> None:
+    w.add_block_count(m.n_layers)
+    w.add_context_length(m.context)
+    w.add_embedding_length(m.n_embd)
+    w.add_feed_forward_length(m.n_ff_exp if m.arch == "llama" else m.n_ff_exp * m.n_expert_used)
+    w.add_head_count(m.n_head)
+    w.add_head_count_kv(m.n_head_kv)
+    w.add_key_length(m.head_dim)
+    w.add_value_length(m.head_dim)
+    w.add_rope_freq_base(m.rope_base)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(m.head_dim)
+    w.add_vocab_size(m.vocab)
+    w.add_expert_count(m.n_expert)
+    w.add_expert_used_count(m.n_expert_used)
+    if m.arch != "llama":
+        w.add_expert_feed_forward_length(m.n_ff_exp)
+    if m.n_ff_shexp:
+        w.add_expert_shared_feed_forward_length(m.n_ff_shexp)
+
+
+def _write_tensors(w, plan, rng: np.random.Generator) -> int:
+    import gguf
+
+    total = 0
+    for name, t, shp in plan:
+        if t == T.F32 and len(shp) == 1 and "shexp" not in name:  # norm gains near 1
+            w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(shp[0])).astype(np.float32))
+            continue
+        if t == T.F32 and "gate_inp" in name:  # router: logits spread over a few units
+            w.add_tensor(name, (rng.standard_normal(shp) * 0.1).astype(np.float32))
+            continue
+        blocks = random_blocks(t, int(np.prod(shp)), rng)
+        row_bytes = blocks.size // int(np.prod(shp[:-1]))
+        raw_shape = (*shp[:-1], row_bytes)
+        w.add_tensor(name, blocks.reshape(raw_shape), raw_shape=raw_shape, raw_dtype=gguf.GGMLQuantizationType(int(t)))
+        total += blocks.size
+    return total
+
+
+def write_moe_model(path: Path, shape: str, mix: str, n_layers: int | None = None, seed: int = 0) -> int:
+    import gguf
+
+    m, plan = moe_tensor_plan(shape, n_layers, mix)
+    w = gguf.GGUFWriter(str(path), m.arch)
+    w.add_name(f"synthetic {shape} {mix}")
+    _moe_header(w, m)
+    total = _write_tensors(w, plan, np.random.default_rng(seed))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return total
+
+
 def write_model(path: Path, shape: str, mix: str, n_layers: int | None = None, seed: int = 0) -> int:
     """Write the file; returns its tensor bytes."""
     import gguf
 
+    if shape in MOE_SHAPES:
+        return write_moe_model(path, shape, mix, n_layers, seed)
     (layers, e, ff, nh, nkv, vocab, base, ctx), plan = tensor_plan(shape, n_layers, mix)
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "llama")
@@ -133,7 +256,7 @@ def write_model(path: Path, shape: str, mix: str, n_layers: int | None = None, s
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    ap.add_argument("--shape", choices=sorted(SHAPES) + sorted(MOE_SHAPES), default="llama3-8b")
     ap.add_argument("--mix", choices=sorted(MIXES), default="q4_k_m")
     ap.add_argument("--layers", type=int, default=None, help="override the number of layers")
     ap.add_argument("--seed", type=int, default=0)

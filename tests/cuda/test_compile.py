@@ -41,6 +41,21 @@ def test_fast_kernels_present(arch):
         assert kernel.encode() + b"\0" in cubin
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_moe_kernels_compile(arch):
+    """native/cuda/moe.cu (loaded by backends/cuda_moe.py, not cuda_nvrtc.SOURCES): clean build,
+    the router, the combine and one routed matvec per weight type."""
+    from ntx_engine.backends.cuda_kernels import KERNEL_TYPES
+    from ntx_engine.backends.cuda_moe import SOURCES
+
+    for source in SOURCES:
+        cubin, log = cuda_nvrtc.compile_cubin(source, arch)
+        assert cubin[:4] == b"\x7fELF" and "warning" not in log.lower(), log
+    kernels = ["moe_route", "moe_combine", *(f"moe_matvec_{s}" for s in KERNEL_TYPES.values())]
+    for kernel in kernels:
+        assert kernel.encode() + b"\0" in cubin, f"{kernel} missing from the moe.cu cubin"
+
+
 def test_cache_reuses_cubin_and_keys_on_source(tmp_path):
     kdir = tmp_path / "kernels"
     shutil.copytree(cuda_nvrtc.KERNEL_DIR, kdir)
