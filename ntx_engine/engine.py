@@ -11,12 +11,15 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from ntx_common.errors import ModelError, UsageError
+from ntx_engine import tiers
 from ntx_engine.backends import default_device, make_backend
 from ntx_engine.chat import ChatTemplate
 from ntx_engine.config import ModelConfig
 from ntx_engine.gguf import GGUFFile
-from ntx_engine.model import Transformer, WeightLoader
-from ntx_engine.modelfile import resolve_model
+from ntx_engine.model import Transformer
+from ntx_engine.modelfile import open_model
+from ntx_engine.planner import Links
+from ntx_engine.moe import model_classes
 from ntx_engine.sampler import Sampler, SamplerConfig
 from ntx_engine.tokenizer import Tokenizer
 
@@ -29,8 +32,17 @@ class EngineConfig:
     matmul_mode: str = "ggml"  # "ggml": activations quantized as llama.cpp does; "exact": float32
     kv_dtype: str = "f16"
     n_ctx: int = 4096
+    # tiers (see planner.py): None = what is free (cuMemGetInfo / MemAvailable) minus reserves
+    vram_budget: int | None = None
+    ram_budget: int | None = None
+    storage: str = "auto"  # reader for storage-tier layers: auto | direct | mmap | vfio
+    tiers: str = "auto"  # "mmap-baseline": the naive synchronous mode benchmarks compare against
+    n_slots: int | None = None  # VRAM ring slots for streamed layers (None: the planner's default)
+    links: Links | None = None  # measured bandwidths; None = measure (cached in ~/.cache/ntx)
 
     def __post_init__(self) -> None:
+        if self.storage not in ("auto", "direct", "mmap", "vfio"):
+            raise ValueError(f"storage must be auto, direct, mmap or vfio, got {self.storage!r}")
         if self.n_ctx <= 0:
             raise ValueError(f"n_ctx must be positive, got {self.n_ctx}")
         if self.matmul_mode not in ("ggml", "exact"):
@@ -71,19 +83,50 @@ class Engine:
              progress: Callable[[int, int], None] | None = None) -> "Engine":
         ecfg = config or EngineConfig()
         device = default_device() if ecfg.device == "auto" else ecfg.device
-        gf = GGUFFile.open(resolve_model(path))
+        gf = open_model(path)
         cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
         backend = make_backend(device, matmul_mode=ecfg.matmul_mode, kv_dtype=ecfg.kv_dtype)
-        weights = WeightLoader(gf, cfg, backend).load(progress)
-        n_ctx = min(ecfg.n_ctx, cfg.context_length)
-        model = Transformer(cfg, weights, backend, n_ctx)
-        if backend.name == "cuda":  # one CUDA graph per decode step: no per-kernel Python cost
-            from ntx_engine.backends.cuda_graph import DecodeGraph
-
-            model = DecodeGraph(model)
+        model = load_model(gf, cfg, backend, ecfg, progress)
         tok = Tokenizer.from_metadata(gf.metadata)
         return cls(gf, cfg, model, tok, ChatTemplate.from_metadata(gf.metadata, tok),
                    dataclasses.replace(ecfg, device=device))
+
+    @classmethod
+    def plan_model(cls, path: str | Path | None = None, config: EngineConfig | None = None):
+        """The tier placement `load` would use, with measured links, without loading weights."""
+        ecfg = config or EngineConfig()
+        device = default_device() if ecfg.device == "auto" else ecfg.device
+        with open_model(path) as gf:
+            cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
+            backend = make_backend(device, matmul_mode=ecfg.matmul_mode, kv_dtype=ecfg.kv_dtype)
+            return tiers.plan_for(gf, cfg, backend, ecfg, min(ecfg.n_ctx, cfg.context_length), measure_links=True)
+
+    def plan(self):
+        """The placement this engine runs with (`planner.Plan`: tiers, bytes, predicted speed)."""
+        return self.model.plan
+
+    def tier_stats(self) -> dict:
+        """Plan summary and the streaming pipeline's counters since the last generate()."""
+        plan = self.model.plan
+        out = {"streamed": plan.streamed, "bytes_per_tier": plan.bytes_per_tier,
+               "predicted_tok_s": 1.0 / plan.predicted_token_s if plan.streamed else None,
+               "links_source": plan.links.source}
+        stats = getattr(self.model.source, "stats", None)
+        if stats is not None:
+            out["pipeline"] = stats.as_dict()
+        return out
+
+    @property
+    def last_run_stats(self) -> dict:
+        """For reports: per-layer plan rows, the last pass's timeline, bytes, links, bound."""
+        plan = self.model.plan
+        stats = getattr(self.model.source, "stats", None)
+        return {"plan": [{"layer": p.layer, "tier": p.tier, "bytes": p.nbytes} for p in plan.placements],
+                "timeline": list(stats.timeline) if stats is not None else [],
+                "bytes_per_tier": plan.bytes_per_tier,
+                "bandwidth": {k: v / 1e9 for k, v in (("vram", plan.links.vram), ("h2d", plan.links.h2d),
+                                                      ("storage", plan.links.storage))},
+                "bound_tok_s": 1.0 / plan.predicted_token_s}
 
     @property
     def model_name(self) -> str:
@@ -133,6 +176,8 @@ class Engine:
         smp = Sampler(sampler or SamplerConfig(temperature=0.0))
         ids = list(prompt_ids)
         st.prompt_tokens = len(ids)
+        if hasattr(self.model.source, "reset_stats"):
+            self.model.source.reset_stats()
         t0 = time.perf_counter()
         logits = self._prefill(ids)
         st.prefill_s = time.perf_counter() - t0
@@ -208,7 +253,28 @@ class Engine:
         return "".join(self.stream(self.chat_ids(messages), max_tokens, sampler, stats))
 
     def close(self) -> None:
+        source = getattr(self.model, "source", None)
+        if hasattr(source, "close"):
+            source.close()
         self.gguf.close()
+
+
+def load_model(gf: GGUFFile, cfg: ModelConfig, backend, ecfg: EngineConfig,
+               progress: Callable[[int, int], None] | None = None):
+    """The model in the tiers the planner picks for `ecfg`'s budgets (weights loaded, pipeline
+    started); wrapped in a decode CUDA graph when everything is resident on a GPU."""
+    loader_cls, model_cls = model_classes(cfg)  # moe.py's pair when the file has experts
+    loader = loader_cls(gf, cfg, backend)
+    n_ctx = min(ecfg.n_ctx, cfg.context_length)
+    plan = tiers.plan_for(gf, cfg, backend, ecfg, n_ctx)
+    weights, source = tiers.build(gf, loader, tiers.spans_of(gf, cfg), plan, mode=ecfg.tiers, progress=progress)
+    model = model_cls(cfg, weights, backend, n_ctx)
+    model.source, model.plan = source, plan
+    if backend.name == "cuda" and not plan.streamed:  # one CUDA graph per decode step
+        from ntx_engine.backends.cuda_graph import DecodeGraph
+
+        model = DecodeGraph(model)
+    return model
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

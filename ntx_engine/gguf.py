@@ -30,6 +30,7 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ARRAY_NESTING = 8  # real files never nest arrays; a crafted header must not recurse forever
+HEAD_READ = 8 << 20  # first read of a GGUF header from a raw device; grown until it parses
 INT64_MAX = 2**63 - 1
 
 
@@ -168,17 +169,30 @@ class TensorInfo:
         return self.offset + self.nbytes
 
 
+class _NeedMore(Exception):
+    """The head read so far ends inside the header: read at least `upto` bytes and parse again."""
+
+    def __init__(self, upto: int):
+        super().__init__(upto)
+        self.upto = upto
+
+
 class _Parser:
     """Bounds-checked little-endian cursor over the mapped file."""
 
-    def __init__(self, path: Path, buf: memoryview):
-        self.path, self.buf, self.pos, self.size = path, buf, 0, len(buf)
+    def __init__(self, path: Path, buf: memoryview, size: int | None = None):
+        # size: the whole file's bytes when buf holds only its head (a raw device read in pieces)
+        self.path, self.buf, self.pos = path, buf, 0
+        self.avail = len(buf)
+        self.size = self.avail if size is None else size
 
     def fail(self, message: str) -> GGUFError:
         return GGUFError(f"{self.path}: {message}")
 
     def need(self, n: int, what: str) -> None:
-        if n > self.size - self.pos:
+        if n > self.avail - self.pos:
+            if self.avail < self.size and n <= self.size - self.pos:
+                raise _NeedMore(self.pos + n)
             raise self.fail(f"truncated at byte {self.pos} while reading {what} (need {n} bytes, "
                             f"file has {self.size}): the download is incomplete or the file is corrupt")
 
@@ -237,6 +251,7 @@ class _Parser:
         n = self.count(f"array {key!r}", _MIN_SIZE[etype])
         if etype in _DTYPES:
             dtype = _DTYPES[etype]
+            self.need(n * dtype.itemsize, f"array {key!r}")
             data = np.frombuffer(self.buf, dtype, n, self.pos)
             self.pos += n * dtype.itemsize
             return GGUFArray(key, etype, n, data=data)
@@ -250,7 +265,7 @@ class _Parser:
         # One pass to find where each string starts; the text itself is decoded on access.
         starts = np.empty(n, np.int64)
         lengths = np.empty(n, np.int64)
-        unpack, buf, pos, size = _U64.unpack_from, self.buf, self.pos, self.size
+        unpack, buf, pos, size = _U64.unpack_from, self.buf, self.pos, self.avail
         for i in range(n):
             if pos + 8 > size:
                 self.pos = pos
@@ -264,6 +279,36 @@ class _Parser:
             pos += length
         self.pos = pos
         return starts, lengths
+
+
+def _parse(p: _Parser) -> tuple:
+    version = _read_version(p)
+    n_tensors, metadata, types = _read_metadata(p)
+    alignment = _alignment(p, metadata, types)
+    raw = [_read_tensor_info(p, i) for i in range(n_tensors)]
+    data_offset = -(-p.pos // alignment) * alignment
+    tensors = _place_tensors(p, raw, data_offset, alignment)
+    return version, alignment, data_offset, metadata, types, tensors
+
+
+class ReaderBytes:
+    """The bytes of a GGUF on a raw source, sliced like the file's memory map: `[a:b]` reads
+    them through the reader into a fresh array."""
+
+    def __init__(self, reader: Any, base_offset: int, size: int):
+        self.reader, self.base_offset, self.size = reader, base_offset, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        start, stop, step = index.indices(self.size)
+        if step != 1:
+            raise TypeError("ReaderBytes supports contiguous slices only")
+        out = np.empty(max(0, stop - start), np.uint8)
+        if len(out):
+            self.reader.read_into(self.base_offset + start, len(out), out)
+        return out
 
 
 def _read_version(p: _Parser) -> int:
@@ -360,19 +405,31 @@ class GGUFFile:
         self.value_types: Mapping[str, GGUFValueType] = MappingProxyType(value_types)
         self.tensors = tensors
         self._mm: np.ndarray | None = mm
+        self.reader, self.base_offset = None, 0  # set by from_reader: where tensor bytes come from
 
     @classmethod
     def open(cls, path: str | Path) -> GGUFFile:
         path = Path(path)
         mm = _map(path)
-        p = _Parser(path, memoryview(mm))
-        version = _read_version(p)
-        n_tensors, metadata, types = _read_metadata(p)
-        alignment = _alignment(p, metadata, types)
-        raw = [_read_tensor_info(p, i) for i in range(n_tensors)]
-        data_offset = -(-p.pos // alignment) * alignment
-        tensors = _place_tensors(p, raw, data_offset, alignment)
-        return cls(path, version, alignment, data_offset, metadata, types, tensors, mm)
+        return cls(path, *_parse(_Parser(path, memoryview(mm))), mm)
+
+    @classmethod
+    def from_reader(cls, reader: Any, base_offset: int, size: int, name: str) -> GGUFFile:
+        """A GGUF stored at `base_offset` of a raw source read through an `ntx_io` Reader (a
+        staged NVMe namespace): the header is read in growing pieces, tensor bytes on demand."""
+        path = Path(name)
+        head = min(size, HEAD_READ)
+        while True:
+            buf = np.empty(head, np.uint8)
+            reader.read_into(base_offset, head, buf)
+            try:
+                parsed = _parse(_Parser(path, memoryview(buf), size))
+                break
+            except _NeedMore as more:
+                head = min(size, max(2 * head, more.upto + HEAD_READ))
+        gf = cls(path, *parsed, ReaderBytes(reader, base_offset, size))
+        gf.reader, gf.base_offset = reader, base_offset
+        return gf
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -401,6 +458,9 @@ class GGUFFile:
     def close(self) -> None:
         # Views handed out keep the map alive; dropping ours lets the OS unmap it when they go.
         self._mm = None
+        if self.reader is not None:  # from_reader: this file owns the device's reader
+            self.reader, reader = None, self.reader
+            reader.close()
 
     def __enter__(self) -> GGUFFile:
         return self

@@ -29,6 +29,9 @@ def _best_rate(nbytes: int, run, repeats: int = 3) -> float:
 
 def host_copy_bps(nbytes: int = PROBE_BYTES) -> float:
     """memcpy bandwidth: the numpy backend's "VRAM" and "H2D" links are host memory."""
+    from ntx_engine.tiers import mem_available
+
+    nbytes = max(1 << 20, min(nbytes, mem_available() // 8))  # small machines and VMs too
     a, b = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
     return _best_rate(nbytes, lambda: np.copyto(b, a))
 
@@ -73,12 +76,15 @@ def storage_bps(reader: Any, nbytes: int = PROBE_BYTES) -> float:
     return sum(r[1] for r in reqs) / (time.perf_counter() - t0)
 
 
-def measure(backend: Any, model_path: str | Path, storage: str = "auto", *, use_cache: bool = True) -> Links:
-    """The links for this backend and this model's storage, from the cache when present."""
+def measure(backend: Any, gf: Any, storage: str = "auto", *, use_cache: bool = True) -> Links:
+    """The links for this backend and the storage `gf` (a GGUFFile, or a path) lives on, from
+    the cache when present."""
     from ntx_io.reader import open_reader
 
-    dev = os.stat(model_path).st_dev
-    key = f"{backend.name}:{getattr(getattr(backend, 'device', None), 'name', 'host')}|dev{dev}|{storage}"
+    reader = getattr(gf, "reader", None)
+    path = getattr(gf, "path", gf)
+    where = reader.source if reader is not None else f"dev{os.stat(path).st_dev}"
+    key = f"{backend.name}:{getattr(getattr(backend, 'device', None), 'name', 'host')}|{where}|{storage}"
     cached = _load_cache().get(key) if use_cache else None
     if cached:
         return Links(**{**cached, "source": f"cached in {CACHE}"})
@@ -86,11 +92,14 @@ def measure(backend: Any, model_path: str | Path, storage: str = "auto", *, use_
         vram, h2d = cuda_links(backend)
     else:
         vram = h2d = host_copy_bps()
-    reader, _ = open_reader(model_path, storage)
+    own = reader is None
+    if own:
+        reader, _ = open_reader(path, storage)
     try:
         sto = storage_bps(reader)
     finally:
-        reader.close()
+        if own:
+            reader.close()
     links = Links(vram=vram, h2d=h2d, storage=sto, storage_kind=reader.name, source="measured")
     _save_cache(key, links)
     return links

@@ -39,3 +39,28 @@ def resolve_model(path: str | Path | None) -> Path:
     except PermissionError as exc:
         raise ModelError(f"cannot read model file {p}: permission denied") from exc
     return p
+
+
+NVME_PREFIX = "nvme:"
+
+
+def open_model(path: str | Path | None):
+    """The model's GGUFFile: a file (memory-mapped), or `nvme:<PCI address>`, a model staged on
+    a raw NVMe namespace with `ntx-io stage`, read through the userspace VFIO driver."""
+    from ntx_engine.gguf import GGUFFile
+
+    text = "" if path is None else str(path)
+    if not text.startswith(NVME_PREFIX):
+        return GGUFFile.open(resolve_model(path))
+    from ntx_io.image import read_header
+    from ntx_io.reader import open_reader
+
+    bdf = text[len(NVME_PREFIX):]
+    reader, _ = open_reader("vfio:" + bdf, "vfio")
+    try:
+        header = read_header(reader)
+        return GGUFFile.from_reader(reader, header.data_offset, header.source_size,
+                                    f"{text}/{header.source_name}")
+    except BaseException:
+        reader.close()
+        raise

@@ -97,6 +97,10 @@ class StreamingLayers:
     def close(self) -> None:
         self.stop()
         self.ring.close()
+        owned = getattr(self, "owned_reader", None)  # a reader tiers.build opened for this model
+        if owned is not None:
+            self.owned_reader = None
+            owned.close()
 
     # --- the caller's side (Transformer.forward) -----------------------------------------
     def acquire(self, i: int) -> Any:

@@ -15,6 +15,7 @@ from ntx_engine.model import LayerWeights, ModelWeights, ResidentLayers, WeightL
 from ntx_engine.pipeline import StreamingLayers
 from ntx_engine.planner import RAM_MARGIN, Budgets, Links, Plan, make_plan
 
+UNBOUNDED = 1 << 62
 UNMEASURED = Links(vram=1e12, h2d=5e10, storage=1e9, storage_kind="auto", source="not measured")
 
 TIER_MODES = ("auto", "mmap-baseline")
@@ -30,11 +31,14 @@ def mem_available(meminfo: str = "/proc/meminfo") -> int:
 
 def default_budgets(backend: Any, cfg: Any) -> Budgets:
     """Budgets given in the EngineConfig, else what is free: cuMemGetInfo for the GPU, and
-    MemAvailable minus a margin for RAM (the numpy backend's "VRAM" is host memory too)."""
-    free_ram = max(0, mem_available() - RAM_MARGIN)
+    MemAvailable minus a margin (2 GiB, or 1/8 on a small machine) for RAM. The numpy
+    backend's "VRAM" is host memory that holds dequantized weights: without a budget,
+    everything is resident there, as without tiers."""
+    avail = mem_available()
+    free_ram = max(0, avail - min(RAM_MARGIN, avail // 8))
     vram = cfg.vram_budget
     if vram is None:
-        vram = backend.device.mem_info()[0] if backend.name == "cuda" else free_ram
+        vram = backend.device.mem_info()[0] if backend.name == "cuda" else UNBOUNDED
     return Budgets(vram=vram, ram=free_ram if cfg.ram_budget is None else cfg.ram_budget)
 
 
@@ -51,7 +55,7 @@ def plan_for(gf: Any, cfg: Any, backend: Any, ecfg: Any, n_ctx: int, *, measure_
     if (plan.streamed or measure_links) and ecfg.links is None:
         from ntx_engine.links import measure
 
-        links = measure(backend, gf.path, ecfg.storage)
+        links = measure(backend, gf, ecfg.storage)
         plan = make_plan(spans, head, cfg, n_ctx, budgets, links, n_slots=ecfg.n_slots)
     return plan
 
@@ -100,16 +104,21 @@ def build(gf: Any, loader: WeightLoader, spans: list[LayerSpan], plan: Plan, *, 
     ring = make_ring(loader.backend, plan.n_slots, plan.slot_bytes)
     pinned, keep = _pin(gf, spans, ring, plan.layers_in("ram"))
     size = 0
+    if reader is None and gf.reader is not None:  # a staged raw device: its reader, its offsets
+        reader, base_offset = gf.reader, gf.base_offset
+    owned = None
     if plan.layers_in("storage") and reader is None:
         from ntx_io.reader import open_reader
 
         kind = plan.links.storage_kind
         reader, _ = open_reader(gf.path, kind if kind in ("direct", "mmap") else "auto")
+        owned = reader
     if reader is not None:
         size = reader.size
     source = StreamingLayers(spans, tiers, ring, resident, pinned, SlotWeights(loader, spans, ring, streamed),
                              reader=reader, base_offset=base_offset, n_staging=plan.n_staging, source_size=size)
     source.pinned_buffers = keep  # the buffer objects own the pinned memory the views point into
+    source.owned_reader = owned
     return weights, source
 
 

@@ -13,11 +13,12 @@ from ntx_io.buffers import PinnedBuffer
 
 def host_buffer(nbytes: int, reader=None, *, cuda: bool, device: int = 0):
     """A buffer of at least nbytes: a PinnedBuffer (VFIO reader or CUDA) or a numpy array."""
-    needs_pinned = reader is not None and getattr(reader, "needs_hugepages", False)
-    if not (needs_pinned or cuda):
+    huge = reader is not None and getattr(reader, "needs_hugepages", False)
+    dma = reader is not None and getattr(reader, "name", "") == "vfio"  # zero copy: DMA lands here
+    if not (huge or dma or cuda):
         return np.empty(nbytes, np.uint8)
     # cuMemHostRegister page-locks by itself: mlock (and its RLIMIT_MEMLOCK) only without CUDA
-    buf = PinnedBuffer(nbytes, hugepages=True if needs_pinned else None, lock=not cuda)
+    buf = PinnedBuffer(nbytes, hugepages=True if huge else None, lock=not cuda)
     if reader is not None:
         reader.register(buf)
     if cuda:

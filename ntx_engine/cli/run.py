@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -34,6 +35,19 @@ def run(
     ctx: Annotated[int, typer.Option("--ctx", min=16, help="Context length (tokens).")] = 4096,
     threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="BLAS threads of the cpu backend (default 1: OpenBLAS threads slow down the small matvecs of decode; env OPENBLAS_NUM_THREADS wins).")] = None,
     report: Annotated[Optional[Path], typer.Option("--report", help="Write DIR/report.html: a self-contained page of the run (numbers, plan, per-layer timeline, bytes per tier, bandwidth vs bound).", metavar="DIR")] = None,
+    vram_budget: Annotated[Optional[str], typer.Option("--vram-budget", help="VRAM for weights, KV cache and the streaming ring, e.g. 24G (default: what is free).")] = None,
+    ram_budget: Annotated[Optional[str], typer.Option("--ram-budget", help="Pinned RAM for streamed layers, e.g. 8G or 0 (default: MemAvailable minus 2 GiB).")] = None,
+    storage: Annotated[str, typer.Option("--storage", help="Reader for storage-tier layers: auto, direct (O_DIRECT), mmap, vfio.")] = "auto",
+    tiers: Annotated[str, typer.Option("--tiers", help="auto, or mmap-baseline: the naive synchronous per-layer copy benchmarks compare against.")] = "auto",
+    slots: Annotated[Optional[int], typer.Option("--slots", min=2, help="VRAM ring slots for streamed layers (default: the planner's).")] = None,
+    plan: Annotated[bool, typer.Option("--plan", help="Print the layer placement and the predicted speed; do not generate.")] = False,
+    calibrate_skip: Annotated[bool, typer.Option("--calibrate-skip", help="Measure each layer's input/output cosine similarity on a calibration text and store the profile next to the model; do not generate.")] = False,
+    skip_threshold: Annotated[Optional[float], typer.Option("--skip-threshold", help="Skip layers whose calibrated similarity exceeds this (never the first or last quarter).")] = None,
+    skip_layers: Annotated[Optional[int], typer.Option("--skip-layers", min=0, help="Skip the N most similar calibrated layers (never the first or last quarter).")] = None,
+    eval_ppl: Annotated[Optional[Path], typer.Option("--eval-ppl", help="Perplexity over a text file (with the skip options: and top-1 agreement with the unskipped model); do not generate.", metavar="FILE")] = None,
+    speculate: Annotated[Optional[str], typer.Option("--speculate", help="Speculative decoding with k draft tokens per verify pass (1..16), or 'auto'.", metavar="K|auto")] = None,
+    draft_model: Annotated[Optional[Path], typer.Option("--draft-model", help="Separate draft model sharing the vocabulary (default: self-speculation).")] = None,
+    draft_layers: Annotated[Optional[int], typer.Option("--draft-layers", min=1, help="Self-speculation: the draft runs the first N layers (default: all layers not skipped).")] = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -43,7 +57,24 @@ def run(
 
     opts = RunOptions(model=model, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                       top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
-                      system=system, raw=raw, device=device, ctx=ctx, json=json_out, report=report)
+                      system=system, raw=raw, device=device, ctx=ctx, json=json_out, report=report,
+                      vram_budget=vram_budget, ram_budget=ram_budget, storage=storage, tiers=tiers, slots=slots)
+    opts = dataclasses.replace(opts, skip_threshold=skip_threshold, skip_layers=skip_layers, speculate=speculate,
+                               draft_model=draft_model, draft_layers=draft_layers)
+    if calibrate_skip or eval_ppl is not None:  # quality tools: no prompt, no generation
+        from ntx_engine.cli.session import run_quality
+
+        result = run_quality(opts, calibrate_skip, eval_ppl)
+        if json_out:
+            print_json(result)
+        return
+    if plan:
+        from ntx_engine.cli.session import run_plan
+
+        result = run_plan(opts)
+        if json_out:
+            print_json(result)
+        return
     if chat:
         run_chat(opts)
         return

@@ -31,6 +31,27 @@ class RunOptions:
     ctx: int
     json: bool
     report: Optional[Path] = None  # --report DIR: write DIR/report.html after the run
+    vram_budget: Optional[str] = None  # sizes like 24G (planner.parse_size)
+    ram_budget: Optional[str] = None
+    storage: str = "auto"
+    tiers: str = "auto"
+    slots: Optional[int] = None
+    skip_threshold: Optional[float] = None  # --skip-threshold / --skip-layers: skip.py
+    skip_layers: Optional[int] = None
+    speculate: Optional[str] = None  # --speculate k|auto, --draft-model, --draft-layers: speculative.py
+    draft_model: Optional[Path] = None
+    draft_layers: Optional[int] = None
+
+    def engine_config(self) -> EngineConfig:
+        from ntx_engine.planner import parse_size
+
+        vram = None if self.vram_budget is None else parse_size(self.vram_budget, "--vram-budget")
+        ram = None if self.ram_budget is None else parse_size(self.ram_budget, "--ram-budget")
+        try:
+            return EngineConfig(device=self.device, n_ctx=self.ctx, vram_budget=vram, ram_budget=ram,
+                                storage=self.storage, tiers=self.tiers, n_slots=self.slots)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
 
     def sampler(self) -> SamplerConfig:
         try:
@@ -49,7 +70,19 @@ def load_engine(opts: RunOptions) -> Engine:
         def on_layer(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
 
-        return Engine.load(opts.model, EngineConfig(device=opts.device, n_ctx=opts.ctx), on_layer)
+        return Engine.load(opts.model, opts.engine_config(), on_layer)
+
+
+def run_plan(opts: RunOptions) -> dict[str, Any] | None:
+    """--plan: place the layers and predict the speed without loading or generating."""
+    from ntx_common.console import out
+    from ntx_engine.cli.plan_view import render
+
+    plan = Engine.plan_model(opts.model, opts.engine_config())
+    if opts.json:
+        return plan.as_dict()
+    render(plan, out)
+    return None
 
 
 def _messages(opts: RunOptions, history: list[dict]) -> list[dict]:
@@ -64,10 +97,10 @@ def prompt_ids(engine: Engine, opts: RunOptions, prompt: str) -> tuple[list[int]
     return engine.tokenize(text, add_special=False), True
 
 
-def stream(engine: Engine, ids: list[int], opts: RunOptions, echo: bool) -> GenerationStats:
+def stream(engine: Engine, ids: list[int], opts: RunOptions, echo: bool, gen: Any = None) -> GenerationStats:
     stats = GenerationStats()
     dec = engine.tokenizer.stream_decoder(skip_special=True)
-    for tok in engine.generate(ids, opts.max_tokens, opts.sampler(), stats):
+    for tok in (gen or engine.generate)(ids, opts.max_tokens, opts.sampler(), stats):
         if echo and not engine.tokenizer.is_eog(tok):
             sys.stdout.write(dec.push(tok))
             sys.stdout.flush()
@@ -87,7 +120,8 @@ def run_once(opts: RunOptions, prompt: str) -> dict[str, Any] | None:
     engine = load_engine(opts)
     try:
         ids, templated = prompt_ids(engine, opts, prompt)
-        stats = stream(engine, ids, opts, echo=not opts.json)
+        gen, speed = speedups(engine, opts)
+        stats = stream(engine, ids, opts, echo=not opts.json, gen=gen)
         err.print(f"[dim]{stats_line(stats)}[/]")
         if opts.report is not None:
             _write_report(engine, stats, opts.report)
@@ -99,10 +133,80 @@ def run_once(opts: RunOptions, prompt: str) -> dict[str, Any] | None:
             "tokens": stats.tokens, "text": engine.detokenize(
                 [t for t in stats.tokens if not engine.tokenizer.is_eog(t)]),
             "prefill_tok_s": stats.prefill_tok_s, "decode_tok_s": stats.decode_tok_s,
-            "stop_reason": stats.stop_reason,
+            "stop_reason": stats.stop_reason, "tiers": engine.tier_stats(), **speed(),
         }
     finally:
         engine.close()
+
+
+def speedups(engine: Engine, opts: RunOptions) -> tuple[Any, Any]:
+    """Layer skip and speculation from the options: (the generate function to use or None,
+    a function returning their --json fields). With --speculate the skipped layers leave the
+    draft only; the verify pass always runs every layer."""
+    from ntx_engine import skip, speculative
+
+    plan = None
+    if opts.skip_threshold is not None or opts.skip_layers is not None:
+        plan = skip.plan_for(engine, opts.skip_threshold, opts.skip_layers)
+    if opts.speculate is None and opts.draft_model is None and opts.draft_layers is None:
+        if plan is not None:
+            skip.apply_skip(engine, plan)
+        return None, lambda: {"skip": plan.to_dict()} if plan is not None else {}
+    if opts.speculate is None:
+        raise UsageError("--draft-model / --draft-layers need --speculate K (or auto)")
+    draft = None
+    if opts.draft_model is not None:
+        draft = Engine.load(opts.draft_model, EngineConfig(device=engine.engine_config.device, n_ctx=opts.ctx))
+    layers = None if opts.draft_layers is None else range(min(opts.draft_layers, engine.config.n_layers))
+    spec = speculative.speculator_for(engine, opts.speculate, draft, layers, plan.skipped if plan else ())
+    extra = {"skip": plan.to_dict()} if plan is not None else {}
+    return spec.generate, lambda: {**extra, "speculative": spec.to_dict()}
+
+
+def run_quality(opts: RunOptions, calibrate: bool, ppl_file: Optional[Path]) -> dict[str, Any] | None:
+    """--calibrate-skip and/or --eval-ppl FILE: profile the layers, then perplexity and top-1
+    agreement of the skip setting against the full model."""
+    from ntx_common.console import out
+    from ntx_engine import skip
+
+    engine = load_engine(opts)
+    try:
+        result: dict[str, Any] = {"model": str(engine.gguf.path)}
+        if calibrate:
+            prof = skip.calibrate(engine)
+            result["profile"] = str(skip.save_profile(prof, engine.gguf.path))
+            result["similarity"] = list(prof.similarity)
+            err.print(f"skip profile ({prof.tokens} tokens) -> {result['profile']}")
+            if not opts.json:
+                for i, s in enumerate(prof.similarity):
+                    out.print(f"layer {i:3d}  cos(in, out) {s:.4f}")
+        if ppl_file is not None:
+            result.update(_ppl(engine, opts, ppl_file))
+        return result if opts.json else None
+    finally:
+        engine.close()
+
+
+def _ppl(engine: Engine, opts: RunOptions, path: Path) -> dict[str, Any]:
+    from ntx_common.console import out
+    from ntx_engine import perplexity, skip
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read --eval-ppl file {path}: {exc}") from exc
+    ids, window = engine.tokenize(text), min(512, engine.model.n_ctx)
+    full = perplexity.evaluate(engine.model, ids, window)
+    res = {"ppl_tokens": full.scored, "window": window, "perplexity_full": full.perplexity}
+    show = err.print if opts.json else out.print
+    show(f"perplexity (all layers) {full.perplexity:.3f} over {full.scored} tokens, window {window}")
+    if opts.skip_threshold is not None or opts.skip_layers is not None:
+        plan = skip.plan_for(engine, opts.skip_threshold, opts.skip_layers)
+        part = perplexity.evaluate(engine.model, ids, window, layers=plan.layers)
+        res.update(plan.to_dict(), perplexity=part.perplexity, top1_agreement=part.agreement(full))
+        show(f"perplexity (skipping {list(plan.skipped)}) {part.perplexity:.3f}, "
+                  f"top-1 agreement {part.agreement(full):.4f}")
+    return res
 
 
 def _write_report(engine: Engine, stats: GenerationStats, directory: Path) -> None:
@@ -120,6 +224,7 @@ def run_chat(opts: RunOptions) -> None:
     if engine.chat_template is None:
         raise UsageError(f"{engine.gguf.path.name} has no chat template; --chat needs one (use a prompt instead)")
     history: list[dict] = []
+    gen, _ = speedups(engine, opts)
     err.print(f"chatting with {engine.model_name} — empty line or Ctrl-D to quit")
     try:
         while True:
@@ -131,7 +236,7 @@ def run_chat(opts: RunOptions) -> None:
                 break
             history.append({"role": "user", "content": line})
             ids = engine.tokenize(engine.render_chat(_messages(opts, history)), add_special=False)
-            stats = stream(engine, ids, opts, echo=True)
+            stats = stream(engine, ids, opts, echo=True, gen=gen)
             reply = engine.detokenize([t for t in stats.tokens if not engine.tokenizer.is_eog(t)])
             history.append({"role": "assistant", "content": reply})
             err.print(f"[dim]{stats_line(stats)}[/]")

@@ -1,0 +1,183 @@
+"""Benchmark the 3-tier pipeline: decode and prefill tok/s per budget scenario against the
+planner's predicted bound, and the ratio over `--tiers mmap-baseline` with the same budget.
+
+    python3 scripts/bench_tiers.py --synthetic llama3-70b:q4_k_m --layers 40 \\
+        --scenario S0:: --scenario S1:12G:4G --scenario S2:12G: --scenario S3:12G:0 \\
+        --baseline S2 --json out.json
+
+A scenario is NAME:VRAM:RAM (empty = the default: what is free). Synthetic files repeat one
+random layer's bytes for every layer (only bytes and shapes matter for speed; writing is then
+disk-bound). Prints a table last; JSON holds the plans and the pipeline counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+
+def write_repeated_model(path: Path, shape: str, mix: str, n_layers: int | None, seed: int = 0) -> int:
+    """Like make_synthetic_model.write_model, but every layer reuses layer 0's random blocks."""
+    import gguf
+    import make_synthetic_model as ms
+
+    (layers, e, ff, nh, nkv, vocab, base, ctx), plan = ms.tensor_plan(shape, n_layers, mix)
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((w.add_name, f"synthetic {shape} {mix} (repeated layer)"), (w.add_block_count, layers),
+                       (w.add_context_length, ctx), (w.add_embedding_length, e), (w.add_feed_forward_length, ff),
+                       (w.add_head_count, nh), (w.add_head_count_kv, nkv), (w.add_rope_freq_base, base),
+                       (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_dimension_count, e // nh),
+                       (w.add_vocab_size, vocab)):
+        add(value)
+    arrays: dict[str, np.ndarray] = {}
+    for name, t, shp in plan:
+        key = name.split(".", 2)[-1] if name.startswith("blk.") else name
+        if key not in arrays:
+            if t == ms.T.F32 and len(shp) == 1:
+                arrays[key] = (1.0 + 0.1 * rng.standard_normal(shp[0])).astype(np.float32).view(np.uint8)
+            else:
+                arrays[key] = ms.random_blocks(t, int(np.prod(shp)), rng).reshape(-1)
+        raw = arrays[key]
+        w.add_tensor_info(name, shp if len(shp) == 1 and t == ms.T.F32 else (shp[0], raw.size // shp[0]),
+                          np.dtype(np.float32) if t == ms.T.F32 and len(shp) == 1 else np.dtype(np.uint8),
+                          raw.nbytes, raw_dtype=None if t == ms.T.F32 and len(shp) == 1 else gguf.GGMLQuantizationType(int(t)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    total = 0
+    for name, t, shp in plan:
+        key = name.split(".", 2)[-1] if name.startswith("blk.") else name
+        w.write_tensor_data(arrays[key])
+        total += arrays[key].nbytes
+    w.close()
+    return total
+
+
+def parse_scenario(text: str) -> tuple[str, str | None, str | None]:
+    name, _, rest = text.partition(":")
+    vram, _, ram = rest.partition(":")
+    return name, vram or None, ram or None
+
+
+def bench_one(path: Path, vram: str | None, ram: str | None, tiers: str, decode: int, prefill: int,
+              storage: str, device: str = "cuda") -> dict:
+    from ntx_engine.backends import make_backend
+    from ntx_engine.config import ModelConfig
+    from ntx_engine.engine import EngineConfig, load_model
+    from ntx_engine.gguf import GGUFFile
+    from ntx_engine.planner import parse_size
+
+    gf = GGUFFile.open(path)
+    cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
+    from ntx_engine.links import measure
+
+    backend = make_backend(device)
+    links = measure(backend, gf, storage)  # also for all-resident runs: the bound needs them
+    ecfg = EngineConfig(device=device, n_ctx=1024, storage=storage, tiers=tiers, links=links,
+                        vram_budget=None if vram is None else parse_size(vram),
+                        ram_budget=None if ram is None else parse_size(ram))
+    t0 = time.perf_counter()
+    model = load_model(gf, cfg, backend, ecfg)
+    load_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    src = getattr(model, "source", None)
+    try:
+        prompt = rng.integers(0, cfg.vocab_size, 16)
+        logits = model.forward(prompt, 0)
+        tok = int(np.argmax(logits[-1]))
+        if hasattr(src, "reset_stats"):
+            src.reset_stats()
+        t1 = time.perf_counter()
+        for i in range(decode):
+            tok = int(np.argmax(model.forward(np.asarray([tok]), len(prompt) + i)[-1]))
+        decode_s = time.perf_counter() - t1
+        pipe = src.stats.as_dict() if hasattr(src, "stats") else None
+        pp = None
+        if prefill:
+            ids = rng.integers(0, cfg.vocab_size, prefill)
+            t2 = time.perf_counter()
+            for s in range(0, prefill, 256):
+                model.forward(ids[s:s + 256], s)
+            pp = prefill / (time.perf_counter() - t2)
+        plan = model.plan
+        tok_s = decode / decode_s
+        bound = 1.0 / plan.predicted_token_s
+        return {"tiers": tiers, "vram_budget": vram, "ram_budget": ram, "load_s": load_s,
+                "decode_tok_s": tok_s, "prefill_tok_s": pp, "bound_tok_s": bound,
+                "token_time_over_bound": bound / tok_s, "plan": plan.as_dict(), "pipeline": pipe}
+    finally:
+        if hasattr(src, "close"):
+            src.close()
+        gf.close()
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--synthetic", help="SHAPE:MIX, e.g. llama3-70b:q4_k_m (written with repeated layers)")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/ntx-bench"))
+    ap.add_argument("--scenario", action="append", default=[], help="NAME:VRAM:RAM")
+    ap.add_argument("--baseline", action="append", default=[], help="scenario names to also run as mmap-baseline")
+    ap.add_argument("--decode", type=int, default=8)
+    ap.add_argument("--baseline-decode", type=int, default=2)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--storage", default="auto")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu to smoke-test the script")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    path = args.model
+    if path is None:
+        shape, mix = args.synthetic.split(":")
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        path = args.workdir / f"{shape}-{mix}-{args.layers or 'all'}.gguf"
+        if not path.exists():
+            t0 = time.perf_counter()
+            n = write_repeated_model(path, shape, mix, args.layers)
+            print(f"wrote {path} ({n / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s", flush=True)
+    results = {}
+    for sc in args.scenario:
+        name, vram, ram = parse_scenario(sc)
+        results[name] = bench_one(path, vram, ram, "auto", args.decode, args.prefill, args.storage, args.device)
+        print(name, json.dumps({k: v for k, v in results[name].items() if k not in ("plan", "pipeline")}), flush=True)
+        if name in args.baseline:
+            b = bench_one(path, vram, ram, "mmap-baseline", args.baseline_decode, 0, args.storage, args.device)
+            results[name]["baseline_decode_tok_s"] = b["decode_tok_s"]
+            results[name]["speedup_over_baseline"] = results[name]["decode_tok_s"] / b["decode_tok_s"]
+            print(name, "baseline", b["decode_tok_s"], flush=True)
+    out = {"model": str(path), "model_bytes": os.path.getsize(path), "commit": git_commit(),
+           "machine": platform.node(), "command": " ".join(sys.argv), "results": results}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    print(f"\n{'scen':5} {'vram':>6} {'ram':>6} {'tok/s':>8} {'bound':>8} {'t/bound':>8} {'pp tok/s':>9} {'xbase':>7}  tiers GB")
+    for name, r in results.items():
+        b = r["plan"]["bytes_per_tier"]
+        gb = "/".join(f"{b[t] / 1e9:.1f}" for t in ("vram", "ram", "storage"))
+        pp = f"{r['prefill_tok_s']:.1f}" if r["prefill_tok_s"] else "-"
+        xb = f"{r['speedup_over_baseline']:.1f}" if "speedup_over_baseline" in r else "-"
+        print(f"{name:5} {str(r['vram_budget']):>6} {str(r['ram_budget']):>6} {r['decode_tok_s']:8.2f} "
+              f"{r['bound_tok_s']:8.2f} {r['token_time_over_bound']:8.2f} {pp:>9} {xb:>7}  {gb}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
