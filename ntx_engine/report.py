@@ -171,7 +171,8 @@ def _axis(t0: float, span: float, y: float) -> list[str]:
     out = [f'<line x1="{LEFT}" y1="{y}" x2="{LEFT + CHART_W}" y2="{y}" stroke="#444"/>']
     for i in range(5):
         frac = i / 4
-        out.append(f'<text x="{LEFT + frac * CHART_W:.1f}" y="{y + 14}" text-anchor="middle">'
+        anchor = "start" if i == 0 else "end" if i == 4 else "middle"  # the end labels stay inside
+        out.append(f'<text x="{LEFT + frac * CHART_W:.1f}" y="{y + 14}" text-anchor="{anchor}">'
                    f"{(frac * span) * 1e3:.2f} ms</text>")
     return out
 
