@@ -1,5 +1,5 @@
-"""Build hook for the native NVMe driver; all other metadata lives in pyproject.toml."""
+"""Build hook for the native NVMe driver and CPU kernels; all other metadata lives in pyproject.toml."""
 
 from setuptools import setup
 
-setup(cffi_modules=["native/nvme/nvme_build.py:ffibuilder"])
+setup(cffi_modules=["native/nvme/nvme_build.py:ffibuilder", "native/cpu/cpu_build.py:ffibuilder"])

@@ -1,0 +1,54 @@
+"""cffi builder (out-of-line API mode) for the native CPU kernels: `ntx_engine._cpu`.
+
+Built at install time through `setup.py` (`cffi_modules` lists this file next to the NVMe
+driver's); `pip install -e .` rebuilds `ntx_engine/_cpu.abi3.so` after a change to the C
+sources. The declarations given to cffi are the block between the cdef markers of `ntx_cpu.h`.
+cffi releases the GIL around every call, so a matmul on the pool's threads runs while other
+Python threads (the streaming pipeline's readers) keep going.
+
+The x86 SIMD kernels are compiled with `#pragma GCC target` in their own files, so the module
+itself needs no -m flags and runs on any x86-64; CPUID picks the kernel table at run time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from cffi import FFI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = ["cpu_pool.c", "cpu_act.c", "cpu_dot.c", "cpu_dot_avx2.c", "cpu_dot_vnni.c",
+           "cpu_matmul.c", "cpu_ops.c"]
+HEADERS = ["ntx_cpu.h", "cpu_impl.h", "cpu_dot_x86.inc"]
+# -ffp-contract=off: float expressions round exactly as written (the numpy oracle never fuses)
+CFLAGS = ["-std=gnu11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden", "-ffp-contract=off",
+          "-pthread"]
+
+
+def _cdef_block() -> str:
+    with open(os.path.join(HERE, "ntx_cpu.h"), encoding="utf-8") as f:
+        text = f.read()
+    match = re.search(r"/\* cdef-begin \*/(.*)/\* cdef-end \*/", text, re.S)
+    if match is None:
+        raise RuntimeError("ntx_cpu.h lost its cdef markers")
+    return re.sub(r"/\*.*?\*/", "", match.group(1), flags=re.S)
+
+
+def _rel(path: str) -> str:
+    # setuptools wants sources relative to the directory setup.py runs in
+    return os.path.relpath(path, os.getcwd())
+
+
+ffibuilder = FFI()
+ffibuilder.cdef(_cdef_block())
+ffibuilder.set_source(
+    "ntx_engine._cpu",
+    '#include "ntx_cpu.h"\n',
+    sources=[_rel(os.path.join(HERE, s)) for s in SOURCES],
+    include_dirs=[_rel(HERE)],
+    extra_compile_args=CFLAGS,
+    extra_link_args=["-pthread"],
+    libraries=["m"],
+    depends=[_rel(os.path.join(HERE, h)) for h in HEADERS],
+)

@@ -1,0 +1,109 @@
+"""The native CPU backend: the numpy backend's op interface on C kernels (`native/cpu`).
+
+Weights stay as their raw GGUF blocks (a zero-copy view of the mapped file, no float32 copy):
+decode reads 4.5 bits per weight of Q4_1 instead of 32, which is the point on a CPU whose
+matvec is bound by DRAM bandwidth. Activations are quantized exactly as ggml's CPU backend
+does before its integer dot products, so results agree with the numpy backend's `ggml` mode
+to float32 summation order (tests/cpu measure how far). Only `ggml` mode exists here; the
+float32-activation `exact` mode is an oracle mode and stays with `NumpyBackend`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ntx_engine import quants, rope
+from ntx_engine.backends.cpu_kernels import CpuKernels
+from ntx_engine.backends.numpy_backend import NumpyBackend
+from ntx_engine.quants import GGMLType
+
+
+class NativeWeight:
+    """A weight matrix (rows, k) held as its raw GGUF blocks, multiplied by the C kernels."""
+
+    def __init__(self, kernels: CpuKernels, raw: np.ndarray, ggml_type: GGMLType,
+                 shape: tuple[int, int], name: str) -> None:
+        self.kernels, self.ggml_type, self.shape, self.name = kernels, ggml_type, shape, name
+        self.raw = raw  # (rows * row_bytes,) uint8: the file's bytes, not a copy
+        self.vec_dot_type = quants.quant_type(ggml_type, name).vec_dot_type
+
+    def matmul(self, x: np.ndarray, mode: str = "ggml") -> np.ndarray:
+        """x (n, k) -> x @ W.T (n, rows); `mode` must be "ggml" (the numpy backend's signature)."""
+        if mode != "ggml":
+            raise ValueError(f"{self.name}: the native CPU kernels only compute ggml mode, not {mode!r}")
+        x = np.asarray(x, np.float32)
+        if x.ndim != 2 or x.shape[1] != self.shape[1]:
+            raise ValueError(f"{self.name}: cannot multiply {x.shape} by weight {self.shape}")
+        return self.kernels.matmul(self.ggml_type, self.raw, *self.shape, x, self.name)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Dequantized rows (len(ids), k) float32: the embedding lookup, only the rows asked for."""
+        rows, k = self.shape
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= rows):
+            raise ValueError(f"{self.name}: row id outside 0..{rows - 1}")
+        picked = self.raw.reshape(rows, -1)[ids]
+        return quants.dequantize(picked, self.ggml_type, (len(ids), k), self.name)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+
+class NativeCpuBackend(NumpyBackend):
+    """`--device cpu`: the numpy backend with every op of a layer replaced by a C kernel."""
+
+    name = "cpu"
+
+    def __init__(self, matmul_mode: str = "ggml", kv_dtype: str = "f16", threads: int | None = None,
+                 kernels: CpuKernels | None = None) -> None:
+        if matmul_mode != "ggml":
+            raise ValueError("the native CPU backend computes ggml mode only; use NumpyBackend "
+                             f"(device 'numpy') for matmul_mode={matmul_mode!r}")
+        super().__init__(matmul_mode, kv_dtype)
+        self.kernels = kernels if kernels is not None else CpuKernels(threads)
+        self._rope_key: bytes | None = None
+
+    # weights ---------------------------------------------------------------------------
+    def matrix(self, raw, ggml_type, shape, name):
+        qt = quants.quant_type(ggml_type, name)
+        if not qt.is_weight_format:
+            return super().matrix(raw, ggml_type, shape, name)  # raises the numpy backend's error
+        blocks = quants.as_blocks(raw, qt, tuple(shape), name)  # checks the byte count
+        return NativeWeight(self.kernels, blocks.reshape(-1), qt.ggml_type, tuple(shape), name)
+
+    # ops -------------------------------------------------------------------------------
+    def embed(self, table: NativeWeight, ids: np.ndarray) -> np.ndarray:
+        return table.rows(ids)
+
+    def rmsnorm(self, x, w, eps):
+        return self.kernels.rmsnorm(x, w, eps)
+
+    def rope(self, x, positions, n_heads):
+        cfg = self._model()
+        cos, sin = self._cos_sin(np.asarray(positions))
+        return self.kernels.rope(x, cos, sin, n_heads, cfg.head_dim, cfg.rope_dim, cfg.rope_type != "norm")
+
+    def attention(self, q, k, v, layer, start):
+        cfg = self._model()
+        if start + len(q) > self.n_ctx:
+            raise ValueError(f"context full: position {start + len(q)} exceeds n_ctx {self.n_ctx}")
+        return self.kernels.attention(q, k, v, self.k_cache[layer], self.v_cache[layer], start,
+                                      cfg.n_head, cfg.n_head_kv, cfg.head_dim)
+
+    def swiglu(self, gate, up):
+        return self.kernels.swiglu(gate, up)
+
+    def add(self, a, b):
+        return self.kernels.add(a, b)
+
+    def _cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """RoPE tables for `positions`; every layer of one forward asks for the same ones."""
+        key = positions.astype(np.int64).tobytes()
+        if key != self._rope_key:
+            self._rope_tables = rope.cos_sin(self._model(), positions, self.rope_freqs)
+            self._rope_key = key
+        return self._rope_tables
+
+    def close(self) -> None:
+        self.kernels.close()

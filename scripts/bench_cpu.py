@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Decode tok/s of `ntx-run --device cpu` (the native CPU kernels) against llama.cpp
+(llama-cpp-python) on the same GGUF file with the same thread count, measured side by side in
+one run: the two alternate for `--rounds` rounds so load from other processes hits both alike.
+
+    python scripts/bench_cpu.py                       # SmolLM2-135M-Instruct Q4_1, all cores
+    python scripts/bench_cpu.py --model M.gguf --threads 2 --tokens 128 --json out.json
+
+ntx is timed through the real CLI (`ntx-run --device cpu --temperature 0 --json`, its reported
+decode_tok_s); llama.cpp through `Llama.generate` with greedy sampling, decode rate = tokens
+after the first / time after the first (the first comes out of prefill in both).
+The per-kernel view: `--kernels` also times one matvec per weight shape of the model and
+prints GB/s of weight bytes read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROMPT = "Once upon a time, in a small village at the edge of a great forest, there lived"
+
+
+def default_model() -> Path:
+    from ntx_engine.modelfile import resolve_model
+
+    return Path(resolve_model(None))
+
+
+def run_ntx(model: Path, threads: int, tokens: int, prompt: str) -> float:
+    env = dict(os.environ, NTX_CPU_THREADS=str(threads), OPENBLAS_NUM_THREADS="1", NO_COLOR="1")
+    cmd = [str(Path(sys.executable).parent / "ntx-run"), prompt, "--model", str(model), "--device", "cpu",
+           "--temperature", "0", "--max-tokens", str(tokens), "--ctx", "512", "--raw", "--json"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        raise RuntimeError(f"ntx-run failed ({res.returncode}): {res.stderr[-2000:]}")
+    doc = json.loads(res.stdout)
+    if len(doc["tokens"]) < tokens:
+        raise RuntimeError(f"ntx-run stopped after {len(doc['tokens'])} tokens ({doc.get('stop_reason')}); "
+                           "use a prompt that does not end the text early")
+    return float(doc["decode_tok_s"])
+
+
+def load_llama(model: Path, threads: int):
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(model), n_threads=threads, n_threads_batch=threads, n_ctx=512,
+                 verbose=False)
+
+
+def run_llama(llm, tokens: int, prompt: str) -> float:
+    llm.reset()
+    ids = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+    stamps = []
+    for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+        stamps.append(time.perf_counter())
+        if len(stamps) == tokens:
+            break
+    if len(stamps) < tokens:
+        raise RuntimeError(f"llama.cpp stopped after {len(stamps)} tokens")
+    return (tokens - 1) / (stamps[-1] - stamps[0])
+
+
+def kernel_table(model: Path, threads: int) -> list[dict]:
+    """One matvec per distinct (type, shape) of the model's matrices: us per call and GB/s."""
+    import numpy as np
+
+    from ntx_engine.backends.cpu_kernels import CpuKernels
+    from ntx_engine.gguf import GGUFFile
+
+    kern, gf, rows = CpuKernels(threads), GGUFFile.open(model), []
+    seen = set()
+    for name, info in gf.tensors.items():
+        if len(info.shape) != 2 or (info.ggml_type, tuple(info.shape)) in seen:
+            continue
+        seen.add((info.ggml_type, tuple(info.shape)))
+        raw = np.frombuffer(gf.tensor_data(name), np.uint8)
+        r, k = info.shape
+        x = np.random.default_rng(0).standard_normal((1, k)).astype(np.float32)
+        kern.matmul(info.ggml_type, raw, r, k, x)
+        reps = max(3, int(2e8 // max(raw.nbytes, 1)))
+        t = time.perf_counter()
+        for _ in range(reps):
+            kern.matmul(info.ggml_type, raw, r, k, x)
+        dt = (time.perf_counter() - t) / reps
+        rows.append({"tensor": name, "type": int(info.ggml_type), "shape": [r, k], "us": dt * 1e6,
+                     "gb_s": raw.nbytes / dt / 1e9})
+    gf.close()
+    kern.close()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt", default=PROMPT)
+    ap.add_argument("--kernels", action="store_true", help="also time one matvec per weight shape")
+    ap.add_argument("--json", type=Path, default=None, help="write the result here (always printed)")
+    args = ap.parse_args()
+    model = args.model or default_model()
+    llm = load_llama(model, args.threads)
+    ntx, ref = [], []
+    for r in range(args.rounds):
+        ntx.append(run_ntx(model, args.threads, args.tokens, args.prompt))
+        ref.append(run_llama(llm, args.tokens, args.prompt))
+        print(f"round {r + 1}: ntx {ntx[-1]:.1f} tok/s, llama.cpp {ref[-1]:.1f} tok/s", file=sys.stderr)
+    from ntx_engine.backends.cpu_kernels import CpuKernels
+
+    kern = CpuKernels(1)
+    doc = {
+        "model": str(model), "threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
+        "simd": kern.simd, "numa_nodes": kern.numa_nodes(), "cpu": platform.processor() or platform.machine(),
+        "load_avg_1m": os.getloadavg()[0],
+        "ntx_decode_tok_s": ntx, "llama_cpp_decode_tok_s": ref,
+        "ntx_median": statistics.median(ntx), "llama_cpp_median": statistics.median(ref),
+        "ratio_median": statistics.median(ntx) / statistics.median(ref),
+    }
+    kern.close()
+    if args.kernels:
+        doc["kernels"] = kernel_table(model, args.threads)
+    text = json.dumps(doc, indent=1)
+    if args.json:
+        args.json.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
