@@ -51,3 +51,7 @@ class TokenizerError(NtxError):
 
 class CudaError(NtxError):
     """A CUDA driver, runtime or NVRTC call failed; the message names the call."""
+
+
+class CpuKernelError(NtxError):
+    """A native CPU kernel call (`native/cpu`) failed; the message names the op and the errno."""

@@ -6,10 +6,16 @@ __all__ = ["Backend", "default_device", "make_backend"]
 
 
 def make_backend(device: str = "cpu", **options) -> Backend:
-    if device == "cpu":
+    # "numpy": the pure-numpy oracle; "cpu": the native kernels (native/cpu) when they are built,
+    # and for the oracle-only float32-activation mode (matmul_mode="exact")
+    if device == "numpy" or (device == "cpu" and not _native_cpu_usable(options)):
         from ntx_engine.backends.numpy_backend import NumpyBackend
 
         return NumpyBackend(**options)
+    if device == "cpu":
+        from ntx_engine.backends.cpu_native import NativeCpuBackend
+
+        return NativeCpuBackend(**options)
     # --- cuda (issue 5) ---
     if device == "cuda" or device.startswith("cuda:"):
         from ntx_engine.backends.cuda_backend import CudaBackend
@@ -18,7 +24,15 @@ def make_backend(device: str = "cpu", **options) -> Backend:
         return CudaBackend(device=ordinal, **options)
     from ntx_common.errors import UsageError
 
-    raise UsageError(f"unknown device {device!r} (available: cpu, cuda, cuda:N)")
+    raise UsageError(f"unknown device {device!r} (available: cpu, numpy, cuda, cuda:N)")
+
+
+def _native_cpu_usable(options: dict) -> bool:
+    if options.get("matmul_mode", "ggml") != "ggml":
+        return False
+    from ntx_engine.backends.cpu_kernels import load_module
+
+    return load_module() is not None
 
 
 def default_device() -> str:
