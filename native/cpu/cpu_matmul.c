@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <strings.h>
@@ -62,24 +63,56 @@ const struct ntx_kernels *ntx_kernels_active(void) {
     return &tables[ntx_cpu_simd_level()];
 }
 
-struct mm_job {
+#define MAX_MANY 8 /* weights sharing one activation per call (q, k, v; gate, up) */
+
+struct mm_part {
     ntx_dot_fn dot;
     const uint8_t *w;     /* (rows, row_bytes) raw blocks */
     const uint8_t *act;   /* (n, act_bytes) quantized activations */
-    int64_t row_bytes, act_bytes, n, rows, k;
+    int64_t row_bytes, act_bytes, rows, first;  /* first: its offset in the job's row space */
     float *out;           /* (n, rows) */
+};
+
+struct mm_job {
+    int count;
+    struct mm_part part[MAX_MANY];
+    int64_t n, k;
+    float *swiglu_out;    /* swiglu job: out = silu(part 0) * part 1, (n, rows) */
 };
 
 #define ROW_TILE 8 /* rows kept hot in L1 while every token's activation row passes over them */
 
-static void mm_items(void *arg, int64_t r0, int64_t r1) {
-    const struct mm_job *j = arg;
+static void mm_rows(const struct mm_job *j, const struct mm_part *m, int64_t r0, int64_t r1) {
     for (int64_t t0 = r0; t0 < r1; t0 += ROW_TILE) {
         int64_t t1 = t0 + ROW_TILE < r1 ? t0 + ROW_TILE : r1;
         for (int64_t t = 0; t < j->n; t++) {
-            const uint8_t *a = j->act + t * j->act_bytes;
-            float *o = j->out + t * j->rows;
-            for (int64_t r = t0; r < t1; r++) o[r] = j->dot(j->k, j->w + r * j->row_bytes, a);
+            const uint8_t *a = m->act + t * m->act_bytes;
+            float *o = m->out + t * m->rows;
+            for (int64_t r = t0; r < t1; r++) o[r] = m->dot(j->k, m->w + r * m->row_bytes, a);
+        }
+    }
+}
+
+/* a chunk of the concatenated row space of all parts */
+static void mm_items(void *arg, int64_t r0, int64_t r1) {
+    const struct mm_job *j = arg;
+    for (int i = 0; i < j->count; i++) {
+        const struct mm_part *m = &j->part[i];
+        int64_t lo = r0 > m->first ? r0 : m->first, hi = r1 < m->first + m->rows ? r1 : m->first + m->rows;
+        if (lo < hi) mm_rows(j, m, lo - m->first, hi - m->first);
+    }
+}
+
+static void swiglu_items(void *arg, int64_t r0, int64_t r1) {
+    const struct mm_job *j = arg;
+    const struct mm_part *g = &j->part[0], *u = &j->part[1];
+    for (int64_t t = 0; t < j->n; t++) {
+        const uint8_t *ag = g->act + t * g->act_bytes, *au = u->act + t * u->act_bytes;
+        float *o = j->swiglu_out + t * g->rows;
+        for (int64_t r = r0; r < r1; r++) {
+            float gv = g->dot(j->k, g->w + r * g->row_bytes, ag);
+            float uv = u->dot(j->k, u->w + r * u->row_bytes, au);
+            o[r] = (gv / (1.0f + expf(-gv))) * uv;
         }
     }
 }
@@ -90,23 +123,78 @@ static int64_t grain_for(const struct ntx_cpu_pool *pool, int64_t rows) {
     return g < ROW_TILE ? ROW_TILE : g;
 }
 
+/* fill the parts and quantize x once per distinct activation format; *acts to free */
+static int mm_prepare(struct mm_job *j, int count, const int *types, const void *const *ws,
+                      const int64_t *rows, const float *x, void **acts) {
+    const struct ntx_kernels *kt = ntx_kernels_active();
+    int64_t first = 0;
+    for (int i = 0; i < count; i++) {
+        struct mm_part *m = &j->part[i];
+        int block, bytes, t = types[i];
+        m->act_bytes = ntx_cpu_act_row_bytes(t, j->k);
+        if (m->act_bytes < 0 || !ws[i] || rows[i] <= 0 || !ntx_type_block(t, &block, &bytes) || !kt->dot[t])
+            return -EINVAL;
+        m->dot = kt->dot[t];
+        m->w = ws[i];
+        m->row_bytes = j->k / block * bytes;
+        m->rows = rows[i];
+        m->first = first;
+        first += rows[i];
+        m->act = NULL;
+        for (int p = 0; p < i; p++)
+            if (ntx_act_type(types[p]) == ntx_act_type(t)) m->act = j->part[p].act;
+        if (m->act) continue;
+        if (posix_memalign(&acts[i], 64, (size_t)(j->n * m->act_bytes))) return -ENOMEM;
+        m->act = acts[i];
+        int rc = ntx_cpu_quantize_act(t, x, j->n, j->k, acts[i]);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+static int mm_run(struct ntx_cpu_pool *pool, int count, const int *types, const void *const *ws,
+                  const int64_t *rows, int64_t k, const float *x, int64_t n, float *const *outs,
+                  float *swiglu_out) {
+    if (count < 1 || count > MAX_MANY || !types || !ws || !rows || !x || k <= 0 || n <= 0)
+        return -EINVAL;
+    struct mm_job job = {.count = count, .n = n, .k = k, .swiglu_out = swiglu_out};
+    void *acts[MAX_MANY] = {0};
+    int rc = mm_prepare(&job, count, types, ws, rows, x, acts);
+    int64_t total = 0;
+    for (int i = 0; i < count && rc == 0; i++) {
+        job.part[i].out = outs ? outs[i] : NULL;
+        if (!swiglu_out && !outs[i]) rc = -EINVAL;
+        total += rows[i];
+    }
+    if (rc == 0 && swiglu_out)
+        rc = ntx_pool_run(pool, swiglu_items, &job, rows[0], grain_for(pool, rows[0]));
+    else if (rc == 0)
+        rc = ntx_pool_run(pool, mm_items, &job, total, grain_for(pool, total));
+    for (int i = 0; i < count; i++) free(acts[i]);
+    return rc;
+}
+
 NTX_EXPORT int ntx_cpu_matmul(struct ntx_cpu_pool *pool, int weight_type, const void *w,
                               int64_t rows, int64_t k, const float *x, int64_t n, float *out) {
-    int block, bytes;
-    int64_t act_bytes = ntx_cpu_act_row_bytes(weight_type, k);
-    if (act_bytes < 0) return (int)act_bytes;
-    if (!w || !x || !out || rows <= 0 || n <= 0 || !ntx_type_block(weight_type, &block, &bytes))
-        return -EINVAL;
-    void *act = NULL;
-    if (posix_memalign(&act, 64, (size_t)(n * act_bytes))) return -ENOMEM;
-    int rc = ntx_cpu_quantize_act(weight_type, x, n, k, act);
-    if (rc == 0) {
-        struct mm_job job = {ntx_kernels_active()->dot[weight_type], w, act, k / block * bytes,
-                             act_bytes, n, rows, k, out};
-        rc = job.dot ? ntx_pool_run(pool, mm_items, &job, rows, grain_for(pool, rows)) : -EINVAL;
-    }
-    free(act);
-    return rc;
+    if (!out) return -EINVAL;
+    return mm_run(pool, 1, &weight_type, &w, &rows, k, x, n, &out, NULL);
+}
+
+NTX_EXPORT int ntx_cpu_matmul_many(struct ntx_cpu_pool *pool, int count, const int *types,
+                                   const void *const *ws, const int64_t *rows, int64_t k,
+                                   const float *x, int64_t n, float *const *outs) {
+    if (!outs) return -EINVAL;
+    return mm_run(pool, count, types, ws, rows, k, x, n, outs, NULL);
+}
+
+NTX_EXPORT int ntx_cpu_matmul_swiglu(struct ntx_cpu_pool *pool, int gate_type, const void *w_gate,
+                                     int up_type, const void *w_up, int64_t rows, int64_t k,
+                                     const float *x, int64_t n, float *out) {
+    if (!out) return -EINVAL;
+    const int types[2] = {gate_type, up_type};
+    const void *ws[2] = {w_gate, w_up};
+    const int64_t rr[2] = {rows, rows};
+    return mm_run(pool, 2, types, ws, rr, k, x, n, NULL, out);
 }
 
 NTX_EXPORT int ntx_cpu_numa_nodes(void) {

@@ -82,7 +82,68 @@ NTX_EXPORT int ntx_cpu_add(const float *a, const float *b, int64_t count, float 
     return 0;
 }
 
+/* the two inner loops of attention over one cache row of hd values */
+typedef float (*kv_dot_fn)(const float *q, const void *row, int64_t hd);
+typedef void (*kv_axpy_fn)(float *o, float w, const void *row, int64_t hd);
+
+static float dot_f16(const float *q, const void *row, int64_t hd) {
+    const half_t *k = row;
+    float s = 0.0f;
+    for (int64_t d = 0; d < hd; d++) s += q[d] * f16_table[k[d]];
+    return s;
+}
+
+static float dot_f32(const float *q, const void *row, int64_t hd) {
+    const float *k = row;
+    float s = 0.0f;
+    for (int64_t d = 0; d < hd; d++) s += q[d] * k[d];
+    return s;
+}
+
+static void axpy_f16(float *o, float w, const void *row, int64_t hd) {
+    const half_t *v = row;
+    for (int64_t d = 0; d < hd; d++) o[d] += w * f16_table[v[d]];
+}
+
+static void axpy_f32(float *o, float w, const void *row, int64_t hd) {
+    const float *v = row;
+    for (int64_t d = 0; d < hd; d++) o[d] += w * v[d];
+}
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+__attribute__((target("avx2,fma,f16c"))) static float dot_f16_avx2(const float *q, const void *row,
+                                                                    int64_t hd) {
+    const half_t *k = row;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= hd; d += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + d))), acc);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    float s = _mm_cvtss_f32(h);
+    for (; d < hd; d++) s += q[d] * f16_table[k[d]];
+    return s;
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void axpy_f16_avx2(float *o, float w, const void *row,
+                                                                    int64_t hd) {
+    const half_t *v = row;
+    const __m256 wv = _mm256_set1_ps(w);
+    int64_t d = 0;
+    for (; d + 8 <= hd; d += 8) {
+        __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + d)));
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(wv, x, _mm256_loadu_ps(o + d)));
+    }
+    for (; d < hd; d++) o[d] += w * f16_table[v[d]];
+}
+#endif
+
 struct attn_job {
+    kv_dot_fn dot;
+    kv_axpy_fn axpy;
     const float *q;
     const void *kc, *vc;
     int kv_f16;
@@ -105,8 +166,8 @@ static float *score_buf(int64_t len) {
     return tls_scores;
 }
 
-static inline float kv_at(const struct attn_job *j, const void *cache, int64_t idx) {
-    return j->kv_f16 ? f16_table[((const half_t *)cache)[idx]] : ((const float *)cache)[idx];
+static inline const void *kv_row(const struct attn_job *j, const void *cache, int64_t base) {
+    return (const uint8_t *)cache + base * (j->kv_f16 ? 2 : 4);
 }
 
 /* one (token, head): scores over positions 0..start+t, softmax, weighted sum of values */
@@ -119,9 +180,7 @@ static int attend_one(const struct attn_job *j, int64_t t, int64_t h) {
     float m = -INFINITY;
     for (int64_t p = 0; p < end; p++) {
         const int64_t base = (p * j->n_kv + g) * hd;
-        float s = 0.0f;
-        for (int64_t d = 0; d < hd; d++) s += qh[d] * kv_at(j, j->kc, base + d);
-        sc[p] = s * j->scale;
+        sc[p] = j->dot(qh, kv_row(j, j->kc, base), hd) * j->scale;
         m = sc[p] > m ? sc[p] : m;
     }
     double sum = 0.0;
@@ -135,7 +194,7 @@ static int attend_one(const struct attn_job *j, int64_t t, int64_t h) {
         float w = (float)((double)sc[p] / sum);
         if (j->kv_f16) w = f16_to_f32(f32_to_f16(w));
         const int64_t base = (p * j->n_kv + g) * hd;
-        for (int64_t d = 0; d < hd; d++) o[d] += w * kv_at(j, j->vc, base + d);
+        j->axpy(o, w, kv_row(j, j->vc, base), hd);
     }
     return 0;
 }
@@ -169,7 +228,34 @@ NTX_EXPORT int ntx_cpu_attention(struct ntx_cpu_pool *pool, const float *q, cons
     const int64_t row = n_kv * hd;
     store_kv(k_cache, kv_f16, k, start * row, n * row);
     store_kv(v_cache, kv_f16, v, start * row, n * row);
-    struct attn_job job = {q, k_cache, v_cache, kv_f16, start, n, n_head, n_kv, hd,
+    struct attn_job job = {kv_f16 ? dot_f16 : dot_f32, kv_f16 ? axpy_f16 : axpy_f32, q, k_cache,
+                           v_cache, kv_f16, start, n, n_head, n_kv, hd,
                            (float)(1.0 / sqrt((double)hd)), out};
+#if defined(__x86_64__)
+    if (kv_f16 && ntx_cpu_simd_level() >= NTX_CPU_AVX2) {
+        job.dot = dot_f16_avx2;
+        job.axpy = axpy_f16_avx2;
+    }
+#endif
     return ntx_pool_run(pool, attn_items, &job, n * n_head, 1);
+}
+
+NTX_EXPORT int ntx_cpu_rope_attention(struct ntx_cpu_pool *pool, const float *q, const float *k,
+                                      const float *v, const float *cos_t, const float *sin_t,
+                                      int64_t rope_dim, int neox, void *k_cache, void *v_cache,
+                                      int kv_f16, int64_t n_ctx, int64_t start, int64_t n,
+                                      int64_t n_head, int64_t n_kv, int64_t hd, float *out) {
+    if (!q || !k || n <= 0 || n_head <= 0 || n_kv <= 0 || hd <= 0) return -EINVAL;
+    const size_t qn = (size_t)(n * n_head * hd), kn = (size_t)(n * n_kv * hd);
+    float *buf = malloc((qn + kn) * sizeof(float));
+    if (!buf) return -ENOMEM;
+    memcpy(buf, q, qn * sizeof(float));
+    memcpy(buf + qn, k, kn * sizeof(float));
+    int rc = ntx_cpu_rope(buf, cos_t, sin_t, n, n_head, hd, rope_dim, neox);
+    if (rc == 0) rc = ntx_cpu_rope(buf + qn, cos_t, sin_t, n, n_kv, hd, rope_dim, neox);
+    if (rc == 0)
+        rc = ntx_cpu_attention(pool, buf, buf + qn, v, k_cache, v_cache, kv_f16, n_ctx, start, n,
+                               n_head, n_kv, hd, out);
+    free(buf);
+    return rc;
 }

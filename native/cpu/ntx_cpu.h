@@ -45,6 +45,14 @@ int ntx_cpu_quantize_act(int weight_type, const float *x, int64_t n, int64_t k, 
 /* out (n, rows) = x (n, k) @ W^T, W = rows x k raw GGUF blocks of weight_type */
 int ntx_cpu_matmul(struct ntx_cpu_pool *pool, int weight_type, const void *w, int64_t rows,
                    int64_t k, const float *x, int64_t n, float *out);
+/* up to 8 weights sharing x (q, k, v): x quantized once per format, one pass of the pool */
+int ntx_cpu_matmul_many(struct ntx_cpu_pool *pool, int count, const int *types,
+                        const void *const *ws, const int64_t *rows, int64_t k, const float *x,
+                        int64_t n, float *const *outs);
+/* out (n, rows) = silu(x @ Wg^T) * (x @ Wu^T): the FFN's gate and up in one pass */
+int ntx_cpu_matmul_swiglu(struct ntx_cpu_pool *pool, int gate_type, const void *w_gate,
+                          int up_type, const void *w_up, int64_t rows, int64_t k,
+                          const float *x, int64_t n, float *out);
 /* out (n, d) = x / sqrt(mean(x^2) + eps) * w, the mean summed in double as ggml does */
 int ntx_cpu_rmsnorm(struct ntx_cpu_pool *pool, const float *x, const float *w, int64_t n,
                     int64_t d, float eps, float *out);
@@ -62,6 +70,13 @@ int ntx_cpu_add(const float *a, const float *b, int64_t count, float *out);
 int ntx_cpu_attention(struct ntx_cpu_pool *pool, const float *q, const float *k, const float *v,
                       void *k_cache, void *v_cache, int kv_f16, int64_t n_ctx, int64_t start,
                       int64_t n, int64_t n_head, int64_t n_kv, int64_t hd, float *out);
+
+/* rope (like ntx_cpu_rope, on copies) of q (n, n_head*hd) and k (n, n_kv*hd), then attention */
+int ntx_cpu_rope_attention(struct ntx_cpu_pool *pool, const float *q, const float *k,
+                           const float *v, const float *cos_t, const float *sin_t,
+                           int64_t rope_dim, int neox, void *k_cache, void *v_cache, int kv_f16,
+                           int64_t n_ctx, int64_t start, int64_t n, int64_t n_head, int64_t n_kv,
+                           int64_t hd, float *out);
 
 /* NUMA nodes in /sys/devices/system/node (1 when the directory is absent) */
 int ntx_cpu_numa_nodes(void);

@@ -49,6 +49,15 @@ def _f32(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
+class RawWeight:
+    """A checked (rows, k) weight of raw GGUF blocks and its C pointer (kept alive with `raw`)."""
+
+    __slots__ = ("type", "raw", "ptr", "rows", "k", "name")
+
+    def __init__(self, ggml_type: int, raw: np.ndarray, ptr, rows: int, k: int, name: str) -> None:
+        self.type, self.raw, self.ptr, self.rows, self.k, self.name = ggml_type, raw, ptr, rows, k, name
+
+
 class CpuKernels:
     def __init__(self, threads: int | None = None, spin_us: int | None = None,
                  deadline_ms: int = DEFAULT_DEADLINE_MS) -> None:
@@ -104,21 +113,54 @@ class CpuKernels:
         self._check(rc, "activation quantization")
         return out
 
+    def weight(self, ggml_type: int, raw: np.ndarray, rows: int, k: int, name: str = "?") -> "RawWeight":
+        """Check (rows, k) raw blocks once; the handle is what the matmul calls take."""
+        t = GGMLType(int(ggml_type))
+        block, size = GGML_BLOCK_SIZES[t]
+        if k <= 0 or rows <= 0 or k % block or raw.nbytes != rows * (k // block) * size:
+            raise ValueError(f"{name}: {raw.nbytes} bytes are not ({rows}, {k}) of {t.name}")
+        self.act_row_bytes(t, k)  # a type without kernels fails here, not inside a forward pass
+        return RawWeight(int(t), raw, self.ffi.from_buffer(raw), rows, k, name)
+
     def matmul(self, ggml_type: int, raw: np.ndarray, rows: int, k: int, x: np.ndarray,
                name: str = "?", out: np.ndarray | None = None) -> np.ndarray:
         """x (n, k) @ W.T for W the (rows, k) raw blocks -> (n, rows) float32 (into `out` if given)."""
-        x = _f32(x)
-        if x.ndim != 2 or x.shape[1] != k:
-            raise ValueError(f"{name}: cannot multiply {x.shape} by weight ({rows}, {k})")
-        block, size = GGML_BLOCK_SIZES[GGMLType(ggml_type)]
-        if k % block or raw.nbytes != rows * (k // block) * size:
-            raise ValueError(f"{name}: {raw.nbytes} bytes are not ({rows}, {k}) of {GGMLType(ggml_type).name}")
-        out = self._out(out, (x.shape[0], rows))
-        w = self.ffi.from_buffer(raw)
+        return self.matmul_w(self.weight(ggml_type, raw, rows, k, name), x, out)
+
+    def matmul_w(self, w: "RawWeight", x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        x = self._x(x, w)
+        out = self._out(out, (len(x), w.rows))
         with self._lock:
-            rc = self.lib.ntx_cpu_matmul(self._live(), int(ggml_type), w, rows, k, self._fp(x),
-                                         x.shape[0], self._fp(out))
-        self._check(rc, f"matmul of {name}")
+            rc = self.lib.ntx_cpu_matmul(self._live(), w.type, w.ptr, w.rows, w.k, self._fp(x), len(x),
+                                         self._fp(out))
+        self._check(rc, f"matmul of {w.name}")
+        return out
+
+    def matmul_many(self, ws: list["RawWeight"], x: np.ndarray) -> list[np.ndarray]:
+        """[x @ W.T for W in ws] in one pass (x quantized once per activation format)."""
+        x = self._x(x, ws[0])
+        outs = [np.empty((len(x), w.rows), np.float32) for w in ws]
+        if any(w.k != ws[0].k for w in ws):
+            raise ValueError(f"matmul_many: widths differ ({[w.k for w in ws]})")
+        ffi = self.ffi
+        with self._lock:
+            rc = self.lib.ntx_cpu_matmul_many(
+                self._live(), len(ws), ffi.new("int[]", [w.type for w in ws]), ffi.new("void *[]", [w.ptr for w in ws]),
+                ffi.new("int64_t[]", [w.rows for w in ws]), ws[0].k, self._fp(x), len(x),
+                ffi.new("float *[]", [self._fp(o) for o in outs]))
+        self._check(rc, f"matmul of {', '.join(w.name for w in ws)}")
+        return outs
+
+    def matmul_swiglu(self, gate: "RawWeight", up: "RawWeight", x: np.ndarray) -> np.ndarray:
+        """silu(x @ gate.T) * (x @ up.T) in one pass over both weights."""
+        if gate.rows != up.rows or gate.k != up.k:
+            raise ValueError(f"{gate.name} ({gate.rows}, {gate.k}) and {up.name} ({up.rows}, {up.k}) differ")
+        x = self._x(x, gate)
+        out = np.empty((len(x), gate.rows), np.float32)
+        with self._lock:
+            rc = self.lib.ntx_cpu_matmul_swiglu(self._live(), gate.type, gate.ptr, up.type, up.ptr, gate.rows,
+                                                gate.k, self._fp(x), len(x), self._fp(out))
+        self._check(rc, f"matmul+swiglu of {gate.name}, {up.name}")
         return out
 
     def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
@@ -163,8 +205,10 @@ class CpuKernels:
         return out
 
     def attention(self, q, k, v, k_cache: np.ndarray, v_cache: np.ndarray, start: int,
-                  n_head: int, n_kv: int, head_dim: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Write k, v at `start` into one layer's caches (n_ctx, n_kv, head_dim), attend -> (n, n_head*hd)."""
+                  n_head: int, n_kv: int, head_dim: int, out: np.ndarray | None = None,
+                  rope: tuple[np.ndarray, np.ndarray, int, bool] | None = None) -> np.ndarray:
+        """Write k, v at `start` into one layer's caches (n_ctx, n_kv, head_dim), attend -> (n, n_head*hd).
+        With rope = (cos, sin, rope_dim, neox), q and k are rotated first (in the same C call)."""
         q, k, v = _f32(q), _f32(k), _f32(v)
         n_ctx = len(k_cache)
         for c in (k_cache, v_cache):
@@ -174,18 +218,31 @@ class CpuKernels:
         if q.shape != (len(q), n_head * head_dim) or k.shape != v.shape or k.shape != (len(q), n_kv * head_dim):
             raise ValueError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} do not fit {n_head}/{n_kv} heads of {head_dim}")
         out = self._out(out, (len(q), n_head * head_dim))
-        f16 = int(k_cache.dtype == np.float16)
+        f16, fb = int(k_cache.dtype == np.float16), self.ffi.from_buffer
+        geometry = (fb(k_cache), fb(v_cache), f16, n_ctx, start, len(q), n_head, n_kv, head_dim, self._fp(out))
         with self._lock:
-            rc = self.lib.ntx_cpu_attention(
-                self._live(), self._fp(q), self._fp(k), self._fp(v), self.ffi.from_buffer(k_cache),
-                self.ffi.from_buffer(v_cache), f16, n_ctx, start, len(q), n_head, n_kv,
-                head_dim, self._fp(out))
+            if rope is None:
+                rc = self.lib.ntx_cpu_attention(self._live(), self._fp(q), self._fp(k), self._fp(v), *geometry)
+            else:
+                cos, sin, rope_dim, neox = rope
+                if np.shape(cos) != (len(q), rope_dim // 2) or np.shape(sin) != np.shape(cos):
+                    raise ValueError(f"rope: cos {np.shape(cos)} / sin {np.shape(sin)} do not fit {len(q)} tokens")
+                rc = self.lib.ntx_cpu_rope_attention(self._live(), self._fp(q), self._fp(k), self._fp(v),
+                                                     self._fp(_f32(cos)), self._fp(_f32(sin)), rope_dim, int(neox),
+                                                     *geometry)
         self._check(rc, "attention")
         return out
 
     # --- plumbing ------------------------------------------------------------------------
     def _fp(self, a: np.ndarray):
-        return self.ffi.cast("float *", self.ffi.from_buffer(a))
+        return self.ffi.from_buffer("float[]", a)
+
+    @staticmethod
+    def _x(x: np.ndarray, w: RawWeight) -> np.ndarray:
+        x = _f32(x)
+        if x.ndim != 2 or x.shape[1] != w.k:
+            raise ValueError(f"{w.name}: cannot multiply {x.shape} by weight ({w.rows}, {w.k})")
+        return x
 
     @staticmethod
     def _out(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:

@@ -26,15 +26,13 @@ class NativeWeight:
         self.kernels, self.ggml_type, self.shape, self.name = kernels, ggml_type, shape, name
         self.raw = raw  # (rows * row_bytes,) uint8: the file's bytes, not a copy
         self.vec_dot_type = quants.quant_type(ggml_type, name).vec_dot_type
+        self.handle = kernels.weight(ggml_type, raw, *shape, name)
 
     def matmul(self, x: np.ndarray, mode: str = "ggml") -> np.ndarray:
         """x (n, k) -> x @ W.T (n, rows); `mode` must be "ggml" (the numpy backend's signature)."""
         if mode != "ggml":
             raise ValueError(f"{self.name}: the native CPU kernels only compute ggml mode, not {mode!r}")
-        x = np.asarray(x, np.float32)
-        if x.ndim != 2 or x.shape[1] != self.shape[1]:
-            raise ValueError(f"{self.name}: cannot multiply {x.shape} by weight {self.shape}")
-        return self.kernels.matmul(self.ggml_type, self.raw, *self.shape, x, self.name)
+        return self.kernels.matmul_w(self.handle, x)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Dequantized rows (len(ids), k) float32: the embedding lookup, only the rows asked for."""
@@ -73,6 +71,25 @@ class NativeCpuBackend(NumpyBackend):
         return NativeWeight(self.kernels, blocks.reshape(-1), qt.ggml_type, tuple(shape), name)
 
     # ops -------------------------------------------------------------------------------
+    def matmul_many(self, ws, x):
+        if all(isinstance(w, NativeWeight) for w in ws) and len({w.shape[1] for w in ws}) == 1:
+            return self.kernels.matmul_many([w.handle for w in ws], x)
+        return [self.matmul(w, x) for w in ws]
+
+    def matmul_swiglu(self, w_gate, w_up, x):
+        if isinstance(w_gate, NativeWeight) and isinstance(w_up, NativeWeight) and w_gate.shape == w_up.shape:
+            return self.kernels.matmul_swiglu(w_gate.handle, w_up.handle, x)
+        return self.swiglu(self.matmul(w_gate, x), self.matmul(w_up, x))
+
+    def rope_attention(self, q, k, v, positions, layer, start):
+        cfg = self._model()
+        if start + len(q) > self.n_ctx:
+            raise ValueError(f"context full: position {start + len(q)} exceeds n_ctx {self.n_ctx}")
+        cos, sin = self._cos_sin(np.asarray(positions))
+        return self.kernels.attention(q, k, v, self.k_cache[layer], self.v_cache[layer], start, cfg.n_head,
+                                      cfg.n_head_kv, cfg.head_dim,
+                                      rope=(cos, sin, cfg.rope_dim, cfg.rope_type != "norm"))
+
     def embed(self, table: NativeWeight, ids: np.ndarray) -> np.ndarray:
         return table.rows(ids)
 
@@ -95,7 +112,7 @@ class NativeCpuBackend(NumpyBackend):
         return self.kernels.swiglu(gate, up)
 
     def add(self, a, b):
-        return self.kernels.add(a, b)
+        return a + b  # numpy's float32 add is the same operation, without a C call's overhead
 
     def _cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """RoPE tables for `positions`; every layer of one forward asks for the same ones."""
