@@ -31,7 +31,7 @@ def run(
     chat: Annotated[bool, typer.Option("--chat", help="Interactive chat with the model's template.")] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="System message (chat template).")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Plain completion: do not apply the chat template.")] = False,
-    device: Annotated[str, typer.Option(help="auto (cuda when a GPU is usable), cpu (numpy), cuda or cuda:N.")] = "auto",
+    device: Annotated[str, typer.Option(help="auto (cuda when a GPU is usable, else cpu), cpu (native C kernels; NTX_CPU_THREADS threads), numpy (the pure-numpy oracle), cuda or cuda:N.")] = "auto",
     ctx: Annotated[int, typer.Option("--ctx", min=16, help="Context length (tokens).")] = 4096,
     threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="BLAS threads of the cpu backend (default 1: OpenBLAS threads slow down the small matvecs of decode; env OPENBLAS_NUM_THREADS wins).")] = None,
     report: Annotated[Optional[Path], typer.Option("--report", help="Write DIR/report.html: a self-contained page of the run (numbers, plan, per-layer timeline, bytes per tier, bandwidth vs bound).", metavar="DIR")] = None,
