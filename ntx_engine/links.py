@@ -15,6 +15,8 @@ import numpy as np
 from ntx_engine.planner import Links
 
 PROBE_BYTES = 256 << 20
+STORAGE_PROBE = 1 << 30
+CACHE_VERSION = 2  # bump when a probe changes: old figures then stop being used
 CACHE = Path(os.environ.get("NTX_CACHE", Path.home() / ".cache" / "ntx")) / "links.json"
 
 
@@ -60,20 +62,22 @@ def cuda_links(backend: Any, nbytes: int = PROBE_BYTES) -> tuple[float, float]:
     return vram, rate
 
 
-def storage_bps(reader: Any, nbytes: int = PROBE_BYTES) -> float:
-    """Reader throughput on `nbytes` spread over the source (O_DIRECT/VFIO bypass the page cache;
-    for mmap this is the page cache's speed and says so in Links.storage_kind)."""
+def storage_bps(reader: Any, nbytes: int = STORAGE_PROBE) -> float:
+    """Reader throughput as the pipeline drives it: layer-sized reads (64 MiB..256 MiB), several
+    submitted at once, spread over the source (O_DIRECT/VFIO bypass the page cache; for mmap
+    this is the page cache's speed, and Links.storage_kind says so)."""
     size = reader.size
     n = min(nbytes, size - size % 4096)
     if n <= 0:
         return 1e9
-    dest = np.empty(n, np.uint8)
-    chunk = max(4096, (n // 8) - (n // 8) % 4096)
-    offsets = [((size - chunk) * j // 8) // 4096 * 4096 for j in range(8)]
-    reqs = [(off, chunk, dest[j * chunk:(j + 1) * chunk]) for j, off in enumerate(offsets) if (j + 1) * chunk <= n]
+    piece = max(4096, min(256 << 20, n // 4) // 4096 * 4096)
+    count = n // piece
+    dest = np.empty(count * piece, np.uint8)
+    offsets = [((size - piece) * j // count) // 4096 * 4096 for j in range(count)]
+    reqs = [(off, piece, dest[j * piece:(j + 1) * piece]) for j, off in enumerate(offsets)]
     t0 = time.perf_counter()
     reader.wait(reader.submit(reqs))
-    return sum(r[1] for r in reqs) / (time.perf_counter() - t0)
+    return count * piece / (time.perf_counter() - t0)
 
 
 def measure(backend: Any, gf: Any, storage: str = "auto", *, use_cache: bool = True) -> Links:
@@ -84,7 +88,7 @@ def measure(backend: Any, gf: Any, storage: str = "auto", *, use_cache: bool = T
     reader = getattr(gf, "reader", None)
     path = getattr(gf, "path", gf)
     where = reader.source if reader is not None else f"dev{os.stat(path).st_dev}"
-    key = f"{backend.name}:{getattr(getattr(backend, 'device', None), 'name', 'host')}|{where}|{storage}"
+    key = f"v{CACHE_VERSION}|{backend.name}:{getattr(getattr(backend, 'device', None), 'name', 'host')}|{where}|{storage}"
     cached = _load_cache().get(key) if use_cache else None
     if cached:
         return Links(**{**cached, "source": f"cached in {CACHE}"})
@@ -94,7 +98,9 @@ def measure(backend: Any, gf: Any, storage: str = "auto", *, use_cache: bool = T
         vram = h2d = host_copy_bps()
     own = reader is None
     if own:
-        reader, _ = open_reader(path, storage)
+        from ntx_engine.tiers import READ_WORKERS
+
+        reader, _ = open_reader(path, storage, **({"workers": READ_WORKERS} if storage != "vfio" else {}))
     try:
         sto = storage_bps(reader)
     finally:

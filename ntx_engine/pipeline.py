@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ from ntx_engine.layout import LayerSpan
 
 STALL_S = 120.0  # no progress for this long = the pipeline is stuck (dead disk, lost GPU)
 IO_ALIGN = 4096  # O_DIRECT and NVMe reads start and end on this boundary
+READ_DEPTH = 2  # layer reads in flight at once (each cut into the reader's own requests)
 
 
 @dataclass
@@ -95,7 +97,15 @@ class StreamingLayers:
             self.ring.synchronize()
 
     def close(self) -> None:
+        """Stop the threads, then give back the pinned memory (unregistered from CUDA and the
+        VFIO container before it is unmapped: a stale registration would shadow later
+        allocations) and the ring."""
         self.stop()
+        buffers = list(getattr(self, "pinned_buffers", [])) + list(self._staging)
+        self.pinned, self._staging, self.pinned_buffers = {}, [], []
+        for buf in buffers:
+            if hasattr(buf, "close"):
+                buf.close()
         self.ring.close()
         owned = getattr(self, "owned_reader", None)  # a reader tiers.build opened for this model
         if owned is not None:
@@ -166,34 +176,53 @@ class StreamingLayers:
 
     # --- reader: storage -> staging ------------------------------------------------------
     def _read_ahead(self) -> None:
-        m, q = len(self._staging), 0
-        order = self._storage_schedule
+        """Up to READ_DEPTH layer reads in flight (a layer's read alone leaves the disk's queue
+        half empty at its tail), each into its own staging buffer, handed over in order."""
+        self.ring.bind_thread()  # waits on the GPU's copy-done events
+        m, order = len(self._staging), self._storage_schedule
+        inflight: deque = deque()  # (q, buffer, lead, handle, t0)
+        q = 0
         while True:
-            buf = q % m
-            if not self._wait(lambda: q < m or self._drained[buf] >= q - m + 1, f"staging buffer {buf}", feeder=True):
+            if self._stopping:
+                for _, _, _, handle, _ in inflight:  # never leave a read landing in freed memory
+                    self.reader.wait(handle, timeout=STALL_S)
                 return
-            if q >= m:
-                self.ring.wait_drained(buf)  # the copy out of this buffer has finished on the GPU
-            i = order[q % len(order)]
-            t0 = time.perf_counter()
-            lead = self._read_span(self.spans[i], self._staging_view(buf))
+            while len(inflight) < min(READ_DEPTH, m) and (q < m or self._drained[q % m] >= q - m + 1):
+                buf = q % m
+                if q >= m:
+                    self.ring.wait_drained(buf)  # the copy out of this buffer has finished on the GPU
+                i = order[q % len(order)]
+                lead, handle = self._submit_span(self.spans[i], self._staging_view(buf))
+                inflight.append((q, buf, lead, handle, time.perf_counter()))
+                q += 1
+            if not inflight:  # every staging buffer still feeds a copy: wait for one to drain
+                if not self._wait(lambda: self._drained[q % m] >= q - m + 1, f"staging buffer {q % m}", feeder=True):
+                    return
+                continue
+            done, buf, lead, handle, t0 = inflight.popleft()
+            self._finish(handle, done)
             self.stats.io_s += time.perf_counter() - t0
-            self._mark(i, "io", t0)
+            self._mark(order[done % len(order)], "io", t0)
             with self._cv:
-                self._staged[q] = (buf, lead)
-                self._read = q + 1
+                self._staged[done] = (buf, lead)
+                self._read = done + 1
                 self._cv.notify_all()
-            q += 1
 
-    def _read_span(self, span: LayerSpan, dest: np.ndarray) -> int:
-        """Read span's bytes (widened to IO_ALIGN) into dest; returns where the span starts in dest."""
+    def _submit_span(self, span: LayerSpan, dest: np.ndarray) -> tuple[int, Any]:
+        """Start reading span's bytes (widened to IO_ALIGN) into dest; (where the span starts in
+        dest, the reader's handle)."""
         start = self.base_offset + span.start
         lo = start - start % IO_ALIGN
         hi = -(-(self.base_offset + span.end) // IO_ALIGN) * IO_ALIGN
         if self.source_size:
             hi = min(hi, self.source_size)
-        self.reader.read_into(lo, hi - lo, dest[: hi - lo])
-        return start - lo
+        return start - lo, self.reader.submit([(lo, hi - lo, dest[: hi - lo])])
+
+    def _finish(self, handle: Any, q: int) -> None:
+        deadline = time.monotonic() + STALL_S
+        while not self.reader.wait(handle, timeout=1.0):
+            if time.monotonic() > deadline:
+                raise NtxIOError(f"storage read {q} did not finish within {STALL_S:.0f} s ({self.reader.source})")
 
     def _staging_view(self, buf: int) -> np.ndarray:
         return self.ring.host_view(self._staging[buf])

@@ -16,6 +16,7 @@ from ntx_engine.pipeline import StreamingLayers
 from ntx_engine.planner import RAM_MARGIN, Budgets, Links, Plan, make_plan
 
 UNBOUNDED = 1 << 62
+READ_WORKERS = 16  # O_DIRECT requests in flight: a virtio disk needs 8+ to reach its speed
 UNMEASURED = Links(vram=1e12, h2d=5e10, storage=1e9, storage_kind="auto", source="not measured")
 
 TIER_MODES = ("auto", "mmap-baseline")
@@ -111,7 +112,7 @@ def build(gf: Any, loader: WeightLoader, spans: list[LayerSpan], plan: Plan, *, 
         from ntx_io.reader import open_reader
 
         kind = plan.links.storage_kind
-        reader, _ = open_reader(gf.path, kind if kind in ("direct", "mmap") else "auto")
+        reader, _ = open_reader(gf.path, kind if kind in ("direct", "mmap") else "auto", workers=READ_WORKERS)
         owned = reader
     if reader is not None:
         size = reader.size

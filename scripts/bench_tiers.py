@@ -99,9 +99,11 @@ def bench_one(path: Path, vram: str | None, ram: str | None, tiers: str, decode:
         tok = int(np.argmax(logits[-1]))
         if hasattr(src, "reset_stats"):
             src.reset_stats()
+        greedy = getattr(model, "greedy", None)  # all resident on a GPU: the decode graph's argmax
         t1 = time.perf_counter()
         for i in range(decode):
-            tok = int(np.argmax(model.forward(np.asarray([tok]), len(prompt) + i)[-1]))
+            pos = len(prompt) + i
+            tok = greedy(tok, pos) if greedy else int(np.argmax(model.forward(np.asarray([tok]), pos)[-1]))
         decode_s = time.perf_counter() - t1
         pipe = src.stats.as_dict() if hasattr(src, "stats") else None
         pp = None
@@ -123,6 +125,26 @@ def bench_one(path: Path, vram: str | None, ram: str | None, tiers: str, decode:
         gf.close()
 
 
+def run_child(path: Path, scenario: str, tiers: str, decode: int, prefill: int, args) -> dict:
+    """One scenario in a fresh process: every scenario starts with all device and pinned memory free."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        cmd = [sys.executable, __file__, "--model", str(path), "--one", scenario, "--tiers", tiers,
+               "--decode", str(decode), "--prefill", str(prefill), "--storage", args.storage,
+               "--device", args.device, "--json", tmp.name]
+        subprocess.run(cmd, check=True)
+        return json.loads(Path(tmp.name).read_text())
+
+
+def drop_page_cache() -> None:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as exc:
+        raise SystemExit(f"--cold-baseline needs root to drop the page cache: {exc}") from None
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -140,10 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", action="append", default=[], help="scenario names to also run as mmap-baseline")
     ap.add_argument("--decode", type=int, default=8)
     ap.add_argument("--baseline-decode", type=int, default=2)
+    ap.add_argument("--cold-baseline", action="store_true",
+                    help="drop the page cache before each baseline run (root): the file is read from disk")
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--storage", default="auto")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu to smoke-test the script")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--tiers", default="auto", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     path = args.model
     if path is None:
@@ -154,13 +180,21 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             n = write_repeated_model(path, shape, mix, args.layers)
             print(f"wrote {path} ({n / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s", flush=True)
+    if args.one:  # one scenario in this process (the parent runs each in a fresh one)
+        _, vram, ram = parse_scenario(args.one)
+        res = bench_one(path, vram, ram, args.tiers, args.decode, args.prefill, args.storage, args.device)
+        args.json.write_text(json.dumps(res))
+        return 0
     results = {}
     for sc in args.scenario:
         name, vram, ram = parse_scenario(sc)
-        results[name] = bench_one(path, vram, ram, "auto", args.decode, args.prefill, args.storage, args.device)
+        results[name] = run_child(path, sc, "auto", args.decode, args.prefill, args)
         print(name, json.dumps({k: v for k, v in results[name].items() if k not in ("plan", "pipeline")}), flush=True)
         if name in args.baseline:
-            b = bench_one(path, vram, ram, "mmap-baseline", args.baseline_decode, 0, args.storage, args.device)
+            if args.cold_baseline:  # the naive mmap path on a model not in the page cache
+                drop_page_cache()
+            b = run_child(path, sc, "mmap-baseline", args.baseline_decode, 0, args)
+            results[name]["baseline_cold_cache"] = args.cold_baseline
             results[name]["baseline_decode_tok_s"] = b["decode_tok_s"]
             results[name]["speedup_over_baseline"] = results[name]["decode_tok_s"] / b["decode_tok_s"]
             print(name, "baseline", b["decode_tok_s"], flush=True)

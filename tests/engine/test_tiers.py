@@ -4,6 +4,7 @@ reuse, staging reuse) is checked with a ring that verifies every layer's bytes a
 file while threads race, and failures surface as clear errors instead of hangs."""
 from __future__ import annotations
 
+import concurrent.futures as cf
 import random
 import time
 
@@ -94,6 +95,7 @@ class SlowReader:
     def __init__(self, disk: np.ndarray, fail_at: int | None = None, seed: int = 0) -> None:
         self.disk, self.size, self.fail_at, self.reads = disk, len(disk), fail_at, 0
         self.rng = random.Random(seed)
+        self.pool = cf.ThreadPoolExecutor(max_workers=3)
 
     def read_into(self, offset, length, dest) -> None:
         self.reads += 1
@@ -101,6 +103,15 @@ class SlowReader:
             raise NtxIOError("fake disk: read error at offset %d" % offset)
         time.sleep(self.rng.random() * 0.002)
         dest[:length] = self.disk[offset:offset + length]
+
+    def submit(self, requests):  # the Reader protocol's asynchronous form, on a thread pool
+        return [self.pool.submit(self.read_into, *r) for r in requests]
+
+    def wait(self, handle, timeout=None) -> bool:
+        done, pending = cf.wait(handle, timeout=timeout)
+        for f in done:
+            f.result()
+        return not pending
 
 
 class CheckingRing(NumpyRing):
