@@ -243,10 +243,14 @@ def _plan(spans, tiers, slots, slot, staging, budgets, links, cfg, n_ctx, head_b
 
 
 def _impossible(budgets: Budgets, fixed: int, slot: int, cfg: ModelConfig, n_ctx: int, head_bytes: int) -> None:
-    need = fixed + MIN_SLOTS * slot
+    base = fixed - vram_margin(budgets) + MIN_SLOTS * slot  # everything but the margin
+    if budgets.margin is not None:
+        need = base + budgets.margin
+    else:  # the default margin grows with the budget: min(512 MiB, budget / 16)
+        need = min(-(-base * 16 // 15), base + VRAM_MARGIN)
     raise PlanError(
         f"a VRAM budget of {fmt_bytes(budgets.vram)} cannot run this model: it needs at least "
         f"{fmt_bytes(need)} = KV cache for {n_ctx} tokens {fmt_bytes(kv_cache_bytes(cfg, n_ctx))} + "
         f"workspaces {fmt_bytes(workspace_bytes(cfg, n_ctx))} + embeddings/head {fmt_bytes(head_bytes)} + "
-        f"a {MIN_SLOTS}-slot ring {fmt_bytes(MIN_SLOTS * slot)} + margin {fmt_bytes(vram_margin(budgets))}; "
+        f"a {MIN_SLOTS}-slot ring {fmt_bytes(MIN_SLOTS * slot)} + margin {fmt_bytes(need - base)}; "
         f"raise --vram-budget to {fmt_bytes(need)} or lower --ctx")

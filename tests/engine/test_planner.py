@@ -114,6 +114,20 @@ def test_impossible_budget_names_the_minimum():
         make_plan(sp, head, c, n_ctx, Budgets(vram=need - 1, ram=0, margin=0), LINKS)
 
 
+def test_the_minimum_named_in_the_error_plans():
+    """With the default margin (which grows with the budget) the figure in the message works."""
+    import re
+
+    c, sp, head = cfg(), spans([100 << 20] * 8), 50 << 20
+    with pytest.raises(PlanError) as exc:
+        make_plan(sp, head, c, 2048, Budgets(vram=10 << 20, ram=0), LINKS)
+    mib = float(re.search(r"raise --vram-budget to ([0-9.]+) MiB", str(exc.value)).group(1))
+    plan = make_plan(sp, head, c, 2048, Budgets(vram=int((mib + 0.01) * (1 << 20)), ram=0), LINKS)
+    assert plan.n_slots == MIN_SLOTS
+    with pytest.raises(PlanError):
+        make_plan(sp, head, c, 2048, Budgets(vram=int((mib - 0.02) * (1 << 20)), ram=0), LINKS)
+
+
 def test_slots_option_and_minimum():
     c, sp = cfg(), spans([1 << 30] * 8)
     plan = make_plan(sp, 0, c, 256, Budgets(vram=6 << 30, ram=1 << 40), LINKS, n_slots=5)
