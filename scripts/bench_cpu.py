@@ -11,6 +11,11 @@ decode_tok_s); llama.cpp through `Llama.generate` with greedy sampling, decode r
 after the first / time after the first (the first comes out of prefill in both).
 The per-kernel view: `--kernels` also times one matvec per weight shape of the model and
 prints GB/s of weight bytes read.
+
+On a shared machine wall-clock tok/s depends on the load (llama.cpp's spinning thread pool
+collapses when the cores are oversubscribed), so the JSON also carries a load-independent
+figure: one thread each, in this process, decode tokens per second of *CPU time*
+(`*_cpu_tok_s`, time.process_time between the first and the last generated token).
 """
 
 from __future__ import annotations
@@ -71,6 +76,36 @@ def run_llama(llm, tokens: int, prompt: str) -> float:
     return (tokens - 1) / (stamps[-1] - stamps[0])
 
 
+def _cpu_rate(tokens_iter, tokens: int) -> float:
+    """Decode tokens per CPU-second of this process over a token iterator's yields."""
+    stamps = []
+    for _ in tokens_iter:
+        stamps.append(time.process_time())
+        if len(stamps) == tokens:
+            break
+    if len(stamps) < tokens:
+        raise RuntimeError(f"generation stopped after {len(stamps)} tokens")
+    return (tokens - 1) / (stamps[-1] - stamps[0])
+
+
+def cpu_time_rates(model: Path, tokens: int, prompt: str) -> tuple[float, float]:
+    """(ntx, llama.cpp) decode tok per CPU-second, one thread each, greedy, same prompt."""
+    from ntx_engine.backends.cpu_native import NativeCpuBackend
+    from ntx_engine.engine import Engine, EngineConfig
+
+    os.environ["NTX_CPU_THREADS"] = "1"
+    eng = Engine.load(model, EngineConfig(device="cpu", n_ctx=512))
+    if not isinstance(eng.model.backend, NativeCpuBackend):
+        raise RuntimeError("--device cpu did not give the native backend: is ntx_engine._cpu built?")
+    ours = _cpu_rate(eng.generate(eng.tokenize(prompt), tokens), tokens)
+    eng.model.backend.close()
+    eng.close()
+    llm = load_llama(model, 1)
+    ids = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+    theirs = _cpu_rate(llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0), tokens)
+    return ours, theirs
+
+
 def kernel_table(model: Path, threads: int) -> list[dict]:
     """One matvec per distinct (type, shape) of the model's matrices: us per call and GB/s."""
     import numpy as np
@@ -129,6 +164,8 @@ def main() -> None:
         "ratio_median": statistics.median(ntx) / statistics.median(ref),
     }
     kern.close()
+    doc["ntx_cpu_tok_s"], doc["llama_cpp_cpu_tok_s"] = cpu_time_rates(model, args.tokens, args.prompt)
+    doc["ratio_cpu_time"] = doc["ntx_cpu_tok_s"] / doc["llama_cpp_cpu_tok_s"]
     if args.kernels:
         doc["kernels"] = kernel_table(model, args.threads)
     text = json.dumps(doc, indent=1)

@@ -71,13 +71,17 @@ class NativeCpuBackend(NumpyBackend):
         return NativeWeight(self.kernels, blocks.reshape(-1), qt.ggml_type, tuple(shape), name)
 
     # ops -------------------------------------------------------------------------------
+    # The fused products go through self.matmul when an instance overrides it (noise.py jitters
+    # every matmul input that way), so they stay the compositions they stand for.
     def matmul_many(self, ws, x):
-        if all(isinstance(w, NativeWeight) for w in ws) and len({w.shape[1] for w in ws}) == 1:
+        if "matmul" not in vars(self) and all(isinstance(w, NativeWeight) for w in ws) \
+                and len({w.shape[1] for w in ws}) == 1:
             return self.kernels.matmul_many([w.handle for w in ws], x)
         return [self.matmul(w, x) for w in ws]
 
     def matmul_swiglu(self, w_gate, w_up, x):
-        if isinstance(w_gate, NativeWeight) and isinstance(w_up, NativeWeight) and w_gate.shape == w_up.shape:
+        if "matmul" not in vars(self) and isinstance(w_gate, NativeWeight) and isinstance(w_up, NativeWeight) \
+                and w_gate.shape == w_up.shape:
             return self.kernels.matmul_swiglu(w_gate.handle, w_up.handle, x)
         return self.swiglu(self.matmul(w_gate, x), self.matmul(w_up, x))
 

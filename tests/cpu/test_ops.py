@@ -116,3 +116,26 @@ def test_gil_is_released_during_a_kernel(kernels):
     assert stamps["end"] - stamps["start"] > 0.05, "the matmul was too short to tell"
     # with the GIL held for the call, this loop could not have run at all between the stamps
     assert len(inside) > 1000, f"only {len(inside)} Python iterations ran during the native call"
+
+
+def test_fused_matmuls_equal_their_compositions_and_honour_a_patched_matmul(kernels):
+    """matmul_many / matmul_swiglu give exactly the separate products; when an instance replaces
+    matmul (ntx_engine.noise jitters inputs that way) the fused ops go through the replacement."""
+    from make_synthetic_model import random_blocks
+
+    from ntx_engine.quants import GGMLType
+
+    b = NativeCpuBackend(kernels=kernels)
+    rng = np.random.default_rng(8)
+    ws = [b.matrix(random_blocks(t, r * 256, rng).reshape(-1), t, (r, 256), f"w{i}")
+          for i, (t, r) in enumerate([(GGMLType.Q4_K, 40), (GGMLType.Q6_K, 24), (GGMLType.Q8_0, 40)])]
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    for fused, single in zip(b.matmul_many(ws, x), [b.matmul(w, x) for w in ws]):
+        assert fused.tobytes() == single.tobytes()
+    ref = b.swiglu(b.matmul(ws[0], x), b.matmul(ws[2], x))
+    np.testing.assert_allclose(b.matmul_swiglu(ws[0], ws[2], x), ref, rtol=1e-6, atol=1e-30)
+    calls = []
+    b.matmul = lambda w, x_: calls.append(w.name) or NativeCpuBackend.matmul(b, w, x_)
+    b.matmul_many(ws, x)
+    b.matmul_swiglu(ws[0], ws[2], x)
+    assert calls == ["w0", "w1", "w2", "w0", "w2"]
