@@ -118,7 +118,7 @@ def browser():
     except ImportError:
         pytest.fail("playwright is not installed: pip install -e '.[test]'", pytrace=False)
     with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+        b = pw.chromium.launch(executable_path=exe, args=["--no-sandbox", "--disable-dev-shm-usage"])
         yield b
         b.close()
 

@@ -279,3 +279,17 @@ def test_binding_elsewhere_warns(tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "warning:" in proc.stderr and "0.0.0.0" in proc.stderr and "no authentication" in proc.stderr
     assert "missing.gguf" in proc.stderr
+
+
+def test_busy_port_is_one_clear_error():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "ntx_serve.cli", "--port", str(port), "--device", "cpu"],
+                              capture_output=True, text=True, env={**ENV, "PATH": "/usr/bin:/bin"}, timeout=60)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0], proc.stderr
