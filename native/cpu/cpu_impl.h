@@ -132,6 +132,9 @@ const struct ntx_kernels *ntx_kernels_active(void);
 int ntx_type_block(int type, int *block, int *bytes);
 int ntx_act_type(int weight_type);
 
+/* frees the calling thread's attention scratch (pool workers call it on exit) */
+void ntx_cpu_thread_cleanup(void);
+
 /* the pool runs fn(arg, i) for i in [0, n_items) over its threads */
 typedef void (*ntx_item_fn)(void *arg, int64_t begin, int64_t end);
 int ntx_pool_run(struct ntx_cpu_pool *pool, ntx_item_fn fn, void *arg, int64_t n_items,

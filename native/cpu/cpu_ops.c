@@ -150,6 +150,7 @@ struct attn_job {
     int64_t start, n, n_head, n_kv, hd;
     float scale;
     float *out;
+    int failed;           /* set (atomically) when a score buffer could not be allocated */
 };
 
 /* thread-local score row: grows to the longest context seen, kept for the thread's life */
@@ -200,12 +201,15 @@ static int attend_one(const struct attn_job *j, int64_t t, int64_t h) {
 }
 
 static void attn_items(void *arg, int64_t i0, int64_t i1) {
-    const struct attn_job *j = arg;
+    struct attn_job *j = arg;
     for (int64_t i = i0; i < i1; i++)
-        if (attend_one(j, i / j->n_head, i % j->n_head)) {
-            float *o = j->out + i * j->hd;  /* out of memory: NaNs, never a silent answer */
-            for (int64_t d = 0; d < j->hd; d++) o[d] = NAN;
-        }
+        if (attend_one(j, i / j->n_head, i % j->n_head)) __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+}
+
+void ntx_cpu_thread_cleanup(void) {
+    free(tls_scores);
+    tls_scores = NULL;
+    tls_cap = 0;
 }
 
 static void store_kv(void *cache, int kv_f16, const float *src, int64_t off, int64_t count) {
@@ -230,14 +234,15 @@ NTX_EXPORT int ntx_cpu_attention(struct ntx_cpu_pool *pool, const float *q, cons
     store_kv(v_cache, kv_f16, v, start * row, n * row);
     struct attn_job job = {kv_f16 ? dot_f16 : dot_f32, kv_f16 ? axpy_f16 : axpy_f32, q, k_cache,
                            v_cache, kv_f16, start, n, n_head, n_kv, hd,
-                           (float)(1.0 / sqrt((double)hd)), out};
+                           (float)(1.0 / sqrt((double)hd)), out, 0};
 #if defined(__x86_64__)
     if (kv_f16 && ntx_cpu_simd_level() >= NTX_CPU_AVX2) {
         job.dot = dot_f16_avx2;
         job.axpy = axpy_f16_avx2;
     }
 #endif
-    return ntx_pool_run(pool, attn_items, &job, n * n_head, 1);
+    int rc = ntx_pool_run(pool, attn_items, &job, n * n_head, 1);
+    return rc ? rc : job.failed ? -ENOMEM : 0;
 }
 
 NTX_EXPORT int ntx_cpu_rope_attention(struct ntx_cpu_pool *pool, const float *q, const float *k,

@@ -120,6 +120,7 @@ static void *worker_main(void *arg) {
         pthread_cond_broadcast(&p->done);
         pthread_mutex_unlock(&p->mu);
     }
+    ntx_cpu_thread_cleanup();
     return NULL;
 }
 
