@@ -164,13 +164,13 @@ class CpuKernels:
         return out
 
     def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
-        x = _f32(x)
-        if x.shape[-1] != np.size(w):
-            raise ValueError(f"rmsnorm: rows of {x.shape} do not match the gain ({np.size(w)})")
+        x, w = _f32(x), _f32(w)
+        if x.shape[-1] != w.size:
+            raise ValueError(f"rmsnorm: rows of {x.shape} do not match the gain ({w.size})")
         out = self._out(out, x.shape)
         n, d = x.reshape(-1, x.shape[-1]).shape
         with self._lock:
-            rc = self.lib.ntx_cpu_rmsnorm(self._live(), self._fp(x), self._fp(_f32(w)), n, d, eps, self._fp(out))
+            rc = self.lib.ntx_cpu_rmsnorm(self._live(), self._fp(x), self._fp(w), n, d, eps, self._fp(out))
         self._check(rc, "rmsnorm")
         return out
 
@@ -225,10 +225,11 @@ class CpuKernels:
                 rc = self.lib.ntx_cpu_attention(self._live(), self._fp(q), self._fp(k), self._fp(v), *geometry)
             else:
                 cos, sin, rope_dim, neox = rope
-                if np.shape(cos) != (len(q), rope_dim // 2) or np.shape(sin) != np.shape(cos):
-                    raise ValueError(f"rope: cos {np.shape(cos)} / sin {np.shape(sin)} do not fit {len(q)} tokens")
+                cos, sin = _f32(cos), _f32(sin)
+                if cos.shape != (len(q), rope_dim // 2) or sin.shape != cos.shape:
+                    raise ValueError(f"rope: cos {cos.shape} / sin {sin.shape} do not fit {len(q)} tokens")
                 rc = self.lib.ntx_cpu_rope_attention(self._live(), self._fp(q), self._fp(k), self._fp(v),
-                                                     self._fp(_f32(cos)), self._fp(_f32(sin)), rope_dim, int(neox),
+                                                     self._fp(cos), self._fp(sin), rope_dim, int(neox),
                                                      *geometry)
         self._check(rc, "attention")
         return out
