@@ -83,15 +83,98 @@ def kernel_times(model, backend, token: int, pos: int, reps: int = 3, hold_us: i
     return {n: {"ms": round(totals[n], 4), "launches": counts[n] // reps} for n in order}, step
 
 
+def graph_us(backend, launches: list, reps: int = 5) -> float:
+    """Microseconds per launch of `launches` (callables, each one kernel on the backend's
+    stream) captured back to back in one CUDA graph and replayed: the way a decode step runs."""
+    from ntx_engine.backends.cuda_driver import Event, check, driver
+
+    drv, s = driver(), backend.stream
+    backend.synchronize()
+    check(drv.cuStreamBeginCapture(s.handle, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+          "cuStreamBeginCapture")
+    try:
+        for fn in launches:
+            fn()
+    finally:
+        graph = check(drv.cuStreamEndCapture(s.handle), "cuStreamEndCapture")
+    exe = check(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+    check(drv.cuGraphLaunch(exe, s.handle), "cuGraphLaunch")
+    e0, e1 = Event(), Event()
+    e0.record(s)
+    for _ in range(reps):
+        check(drv.cuGraphLaunch(exe, s.handle), "cuGraphLaunch")
+    e1.record(s)
+    e1.synchronize()
+    return 1e3 * e1.elapsed_ms(e0) / (reps * len(launches))
+
+
+def kernel_table(backend, l2_bytes: int = 160 << 20) -> list[dict]:
+    """GPU time of each decode kernel alone at Llama-3-8B shapes (batch 1), from graph_us; a
+    weight is rotated over enough copies that they exceed the L2 cache, so its bytes come from
+    HBM as in a real step. GB/s counts the weight bytes read."""
+    import make_synthetic_model as msm
+    from ntx_engine.backends.cuda_backend import CudaWeight
+    from ntx_engine.backends.cuda_driver import DeviceArray, upload
+    from ntx_engine.quants import GGMLType as T
+
+    b, rng, k, out = backend, np.random.default_rng(0), backend.k, []
+
+    def copies(t, rows, cols):
+        raw = msm.random_blocks(t, rows * cols, rng)
+        n = max(2, -(-l2_bytes // raw.nbytes))
+        return [CudaWeight(upload(b.pool, raw, b.stream), t, (rows, cols), "w") for _ in range(n)]
+
+    def acts(cols, n=1):
+        x = b.from_numpy(rng.standard_normal((n, cols)).astype(np.float32))
+        return x, DeviceArray(b.pool, (n, cols), np.int8), b._new(n, cols // 32), b._new(n, cols // 32)
+
+    def record(name, fns, nbytes=0):
+        us = graph_us(b, fns)
+        out.append(dict(kernel=name, us=round(us, 2), gb_s=round(nbytes / us / 1e3, 1) if nbytes else None))
+
+    for t, rows, cols in ((T.Q4_K, 4096, 4096), (T.Q4_K, 14336, 4096), (T.Q6_K, 1024, 4096), (T.Q6_K, 4096, 14336),
+                          (T.Q8_0, 4096, 4096), (T.Q8_0, 1024, 4096), (T.Q8_0, 14336, 4096), (T.Q8_0, 4096, 14336)):
+        ws, (x, xq, xd, xs) = copies(t, rows, cols), acts(cols)
+        y = b._new(1, rows)
+        k.quantize_int8(ws[0].vec_dot_type, x, xq, xd, xs, b.stream)
+        fns = [lambda w=w: k.matvec_fast(t, w.data, xq, xd, xs, y, rows, cols, 1, b.stream) for w in ws * 4]
+        record(f"matvecf {t.name} {rows}x{cols}", fns, ws[0].nbytes)
+    for t, tv in ((T.Q4_K, T.Q6_K), (T.Q8_0, T.Q8_0)):
+        qs, ks, vs, (x, xq, xd, xs) = copies(t, 4096, 4096), copies(t, 1024, 4096), copies(tv, 1024, 4096), acts(4096)
+        k.quantize_int8(qs[0].vec_dot_type, x, xq, xd, xs, b.stream)
+        ys = [b._new(1, 4096), b._new(1, 1024), b._new(1, 1024)]
+        trios = list(zip(qs, ks * 8, vs * 8))
+        fns = [lambda q=q, kk=kk, v=v: k.matvec_multi([(q.data, t, 4096), (kk.data, t, 1024), (v.data, tv, 1024)],
+                                                      xq, xd, xs, ys, 4096, 1, b.stream) for q, kk, v in trios * 4]
+        record(f"matvecf_multi qkv {t.name}/{tv.name}", fns, sum(w.nbytes for w in trios[0]))
+        gs, us_ = copies(t, 14336, 4096), copies(t, 14336, 4096)
+        y = b._new(1, 14336)
+        fns = [lambda g=g, u=u: k.matvec_swiglu(g.data, t, u.data, t, xq, xd, xs, y, 14336, 4096, 1, b.stream)
+               for g, u in list(zip(gs, us_)) * 4]
+        record(f"matvecf_swiglu {t.name} 2x14336x4096", fns, 2 * gs[0].nbytes)
+    x, xq, xd, xs = acts(4096)
+    w, h, s2, dd = b.from_numpy(np.ones(4096, np.float32)), b._new(1, 4096), b._new(1, 4096), b._new(1, 4096)
+    record("rmsnorm 4096", [lambda: k.rmsnorm(x, w, h, 1e-5, b.stream)] * 64)
+    record("add_rmsnorm_quanti 4096 q8_k", [lambda: k.add_rmsnorm_quanti(x, dd, s2, w, h, xq, xd, xs, 1e-5, 2,
+                                                                          b.stream)] * 64)
+    record("quanti_q8_k 4096", [lambda: k.quantize_int8(T.Q8_K, x, xq, xd, xs, b.stream)] * 64)
+    x2, xq2, xd2, xs2 = acts(14336)
+    record("quanti_q8_k 14336", [lambda: k.quantize_int8(T.Q8_K, x2, xq2, xd2, xs2, b.stream)] * 64)
+    record("add 4096", [lambda: k.add(x, dd, s2, b.stream)] * 64)
+    return out
+
+
 def run(path: Path, n_prompt: int, n_decode: int, n_ctx: int, matvec: str = "fast", attn: str = "split",
-        pdl: bool | None = None, fuse: bool | None = None) -> dict:
+        pdl: bool | None = None, fuse=None, n_plain: int | None = None, mmq: bool | None = None) -> dict:
+    """One model, one kernel variant (fuse: CudaBackend's, e.g. "all" or "none"); n_plain: decode
+    tokens without the graph (default n_decode)."""
     from ntx_engine.backends.cuda_backend import CudaBackend
     from ntx_engine.backends.cuda_graph import DecodeGraph
     from ntx_engine.config import ModelConfig
     from ntx_engine.gguf import GGUFFile
     from ntx_engine.model import Transformer, WeightLoader
 
-    b = CudaBackend(matvec=matvec, attn=attn, pdl=pdl, fuse=fuse)
+    b = CudaBackend(matvec=matvec, attn=attn, pdl=pdl, fuse=fuse, mmq=mmq)
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
     t0 = time.perf_counter()
@@ -108,9 +191,11 @@ def run(path: Path, n_prompt: int, n_decode: int, n_ctx: int, matvec: str = "fas
     prefill()  # warm-up: module load, pool buffers
     pre_s = timed(prefill, b)
 
+    n_plain = n_decode if n_plain is None else n_plain
+
     def decode_plain():
         tok = int(prompt[-1])
-        for i in range(n_decode):
+        for i in range(n_plain):
             tok = int(np.argmax(model.forward(np.asarray([tok]), n_prompt + i)[-1]))
 
     def decode_graph():
@@ -127,10 +212,11 @@ def run(path: Path, n_prompt: int, n_decode: int, n_ctx: int, matvec: str = "fas
     per_tok, total = weight_bytes(weights)
     kv = 2 * cfg.n_layers * (n_prompt + n_decode // 2) * cfg.kv_dim * 2  # f16 K and V read, mean context
     tok_s = n_decode / graph_s
-    return dict(model=str(path.name), matvec=matvec, attn=attn, pdl=b.k.pdl, fuse=b.fuse, device=b.device.name, arch=b.device.arch, n_layers=cfg.n_layers,
+    return dict(model=str(path.name), matvec=matvec, attn=attn, pdl=b.k.pdl, fuse=sorted(b.fuse), mmq=b.mmq,
+                device=b.device.name, arch=b.device.arch, n_layers=cfg.n_layers,
                 weights_gb=total / 1e9, bytes_per_token_gb=(per_tok + kv) / 1e9, load_s=load_s,
                 prefill_tokens=n_prompt, prefill_tok_s=n_prompt / pre_s,
-                decode_tokens=n_decode, decode_tok_s_graph=tok_s, decode_tok_s_plain=n_decode / plain_s,
+                decode_tokens=n_decode, decode_tok_s_graph=tok_s, decode_tok_s_plain=n_plain / plain_s,
                 copy_bw_gb_s=bw / 1e9, hbm_bound_tok_s=bw / (per_tok + kv),
                 achieved_gb_s=(per_tok + kv) * tok_s / 1e9, fraction_of_bound=(per_tok + kv) * tok_s / bw,
                 kernel_ms_per_token=round(sum(v["ms"] for v in kernels.values()), 4), profiled_step_ms=step_ms,

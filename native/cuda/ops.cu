@@ -1,6 +1,7 @@
 // Element-wise and row-wise transformer ops, rounded the way the numpy backend rounds them.
 #include "ntx_half.cuh"
 #include "rmsnorm.cuh"
+#include "ops.cuh"
 
 // out (n, k) = x * (1 / sqrt(mean(x^2) + eps)) * w; the mean is summed in double as ggml does.
 extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __restrict__ w,
@@ -10,42 +11,28 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __r
     ntx_rmsnorm_row(x + (size_t)blockIdx.x * k, w, out + (size_t)blockIdx.x * k, k, eps, part);
 }
 
-// RoPE on x (n, n_heads*head_dim) -> out. theta_i = pos * scale^i as a running float32 product
-// (ggml's rope cache), angle = theta_i / ff[i] * freq_scale. neox != 0 pairs (i, i + rope_dim/2),
-// else adjacent (2i, 2i+1). Dimensions past rope_dim are copied. Positions come from device
+// RoPE on x (n, n_heads*head_dim) -> out (ops.cuh's ntx_rope_pair). Positions come from device
 // memory so a captured graph replays for any position.
 extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__ out,
                                 const int* __restrict__ pos, const float* __restrict__ ff,
                                 int n_heads, int head_dim, int rope_dim, float scale,
                                 float freq_scale, int neox) {
     NTX_PDL();
-    const int t = blockIdx.y, half_hd = head_dim / 2;
+    const int t = blockIdx.y;
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= n_heads * half_hd) return;
-    const int h = idx / half_hd, i = idx % half_hd;
-    const float* xh = x + ((size_t)t * n_heads + h) * head_dim;
-    float* oh = out + ((size_t)t * n_heads + h) * head_dim;
-    const int rd2 = rope_dim / 2;
-    if (i >= rd2) {
-        const int a = neox ? rope_dim + 2 * (i - rd2) : 2 * i;
-        oh[a] = xh[a];
-        oh[a + 1] = xh[a + 1];
-        return;
-    }
-    float theta = (float)pos[t];
-    for (int m = 0; m < i; ++m) theta = __fmul_rn(theta, scale);
-    const float angle = __fmul_rn(__fdiv_rn(theta, ff ? ff[i] : 1.0f), freq_scale);
-    const float c = cosf(angle), s = sinf(angle);
-    const int a = neox ? i : 2 * i, b = neox ? i + rd2 : 2 * i + 1;
-    const float x0 = xh[a], x1 = xh[b];
-    oh[a] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-    oh[b] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+    if (idx >= n_heads * (head_dim / 2)) return;
+    const size_t row = (size_t)t * n_heads * head_dim;
+    int a, b;
+    float o0, o1;
+    ntx_rope_pair(x + row, idx, head_dim, rope_dim, pos[t], ff, scale, freq_scale, neox, &a, &b, &o0, &o1);
+    out[row + a] = o0;
+    out[row + b] = o1;
 }
 
 extern "C" __global__ void swiglu(const float* g, const float* u, float* out, int total) {
     NTX_PDL();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < total) out[i] = __fmul_rn(__fdiv_rn(g[i], __fadd_rn(1.0f, expf(-g[i]))), u[i]);
+    if (i < total) out[i] = ntx_swiglu(g[i], u[i]);
 }
 
 // out = a + b, b broadcast over rows when its length (b_len) is shorter than total.

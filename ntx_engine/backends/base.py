@@ -29,6 +29,12 @@ class Backend(Protocol):
     def matmul(self, w: Any, x: Any) -> Any:
         """x (n, k) times w (rows, k)^T -> (n, rows)."""
 
+    def matmul_many(self, ws: Any, x: Any) -> list:
+        """[matmul(w, x) for w in ws] (q, k, v): one launch where the backend can fuse them."""
+
+    def matmul_swiglu(self, w_gate: Any, w_up: Any, x: Any) -> Any:
+        """swiglu(matmul(w_gate, x), matmul(w_up, x)), fused where the backend can."""
+
     def rmsnorm(self, x: Any, w: Any, eps: float) -> Any: ...
 
     def rope(self, x: Any, positions: np.ndarray, n_heads: int) -> Any:
@@ -36,6 +42,10 @@ class Backend(Protocol):
 
     def attention(self, q: Any, k: Any, v: Any, layer: int, start: int) -> Any:
         """Append k, v (n, kv_dim) at `start` to layer's cache, causal GQA attention -> (n, q_dim)."""
+
+    def rope_attention(self, q: Any, k: Any, v: Any, positions: np.ndarray, layer: int, start: int) -> Any:
+        """attention(rope(q, positions, n_head), rope(k, positions, n_head_kv), v, layer, start),
+        fused where the backend can (RoPE + KV-cache write in one kernel)."""
 
     def swiglu(self, gate: Any, up: Any) -> Any: ...
 
@@ -48,3 +58,26 @@ class Backend(Protocol):
         """Forget cached positions >= n_pos (new prompt, speculative rollback)."""
 
     def to_numpy(self, x: Any) -> np.ndarray: ...
+
+
+# --- the fused ops as the model calls them ---------------------------------------------------
+# A backend's own fused op when its class defines one, else the plain composition. The lookup is
+# on the class, so a wrapper that forwards attributes (speculative.RowExact: matmul row by row)
+# gets the composition over its own matmul instead of the wrapped backend's fused op.
+def matmul_many(b: Any, ws: Any, x: Any) -> list:
+    if hasattr(type(b), "matmul_many"):
+        return b.matmul_many(ws, x)
+    return [b.matmul(w, x) for w in ws]
+
+
+def matmul_swiglu(b: Any, w_gate: Any, w_up: Any, x: Any) -> Any:
+    if hasattr(type(b), "matmul_swiglu"):
+        return b.matmul_swiglu(w_gate, w_up, x)
+    return b.swiglu(b.matmul(w_gate, x), b.matmul(w_up, x))
+
+
+def rope_attention(b: Any, cfg: ModelConfig, q: Any, k: Any, v: Any, positions: np.ndarray, layer: int,
+                   start: int) -> Any:
+    if hasattr(type(b), "rope_attention"):
+        return b.rope_attention(q, k, v, positions, layer, start)
+    return b.attention(b.rope(q, positions, cfg.n_head), b.rope(k, positions, cfg.n_head_kv), v, layer, start)

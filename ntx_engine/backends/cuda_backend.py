@@ -4,6 +4,15 @@ the weight's vec_dot_type in `ggml` mode, F16 KV cache); see docs/cuda.md.
 
 Token ids and positions are read by the kernels from two device buffers, so a decode step
 captured in a CUDA graph (`cuda_graph.DecodeGraph`) replays for any token and position.
+
+Fusions (`fuse`, NTX_CUDA_FUSE = all | none | a comma list of FUSIONS; default none until the
+fused kernels have passed tests/cuda/test_fused_gpu.py on the GPU): "qkv" runs the q/k/v
+matmuls as one launch (matmul_many), "ffn" gate/up + SwiGLU as one (matmul_swiglu), "rope" the
+two RoPEs and the KV-cache store as one (rope_attention), "norm" a residual add + RMSNorm + the
+next matmul's activation quantization as one: `add` of two same-shape arrays is held back
+(`_pending`) until the next op, and when that op is the rmsnorm of its result both run in one
+kernel; every other op launches the held add first (`flush`). Each fused kernel computes bit for
+bit what the unfused kernels compute.
 """
 
 from __future__ import annotations
@@ -15,10 +24,28 @@ import numpy as np
 from ntx_common.errors import UnsupportedQuantError, UsageError
 from ntx_engine import quants
 from ntx_engine.backends.cuda_driver import DeviceArray, MemoryPool, Stream, Device, download, upload
-from ntx_engine.backends.cuda_kernels import (ATTN_CHUNK, BLOCK_ELEMENTS, KERNEL_TYPES, MATVEC_MAX_TOKENS, Kernels,
-                                             fast_matvec_ok)
+from ntx_engine.backends.cuda_kernels import (ATTN_CHUNK, BLOCK_ELEMENTS, KERNEL_TYPES, MATVEC_MAX_TOKENS, MMQ_TYPES,
+                                             Kernels, fast_matvec_ok)
 from ntx_engine.config import ROPE_NEOX, ModelConfig
 from ntx_engine.quants import GGMLType
+
+FUSIONS = ("qkv", "ffn", "rope", "norm")
+DEFAULT_FUSE = "none"  # "all" once tests/cuda/test_fused_gpu.py has passed on the H200 (not yet run)
+
+
+def parse_fusions(fuse) -> frozenset:
+    """fuse: None (NTX_CUDA_FUSE, default DEFAULT_FUSE), True/False, "all"/"none", or names of FUSIONS."""
+    if fuse is None:
+        fuse = os.environ.get("NTX_CUDA_FUSE", DEFAULT_FUSE)
+    if fuse is True or fuse in ("all", "1"):
+        return frozenset(FUSIONS)
+    if fuse is False or fuse in ("none", "0", ""):
+        return frozenset()
+    names = frozenset(n.strip() for n in fuse.split(",")) if isinstance(fuse, str) else frozenset(fuse)
+    if not names <= set(FUSIONS):
+        raise UsageError(f"unknown CUDA fusion(s) {sorted(names - set(FUSIONS))} (NTX_CUDA_FUSE); "
+                         f"use all, none or a comma list of {', '.join(FUSIONS)}")
+    return names
 
 
 class CudaWeight:
@@ -39,7 +66,7 @@ class CudaBackend:
 
     def __init__(self, matmul_mode: str = "ggml", kv_dtype: str = "f16", device: int = 0,
                  cache_dir=None, matvec: str | None = None, attn: str | None = None,
-                 pdl: bool | None = None, fuse: bool | None = None) -> None:
+                 pdl: bool | None = None, fuse=None, mmq: bool | None = None) -> None:
         if matmul_mode not in ("ggml", "exact"):
             raise ValueError(f"matmul_mode must be 'ggml' or 'exact', got {matmul_mode!r}")
         if kv_dtype != "f16":
@@ -54,11 +81,15 @@ class CudaBackend:
         self.pool = MemoryPool()
         self.k = Kernels(self.device, cache_dir, matvec or os.environ.get("NTX_CUDA_MATVEC", "fast"), pdl)
         self.cfg: ModelConfig | None = None
-        # fuse: rmsnorm also quantizes its output for the next matmul (NTX_CUDA_FUSE=1), in the
-        # format the fast matmuls fed by an rmsnorm asked for last (_norm_key; learned in matmul)
-        self.fuse = fuse if fuse is not None else os.environ.get("NTX_CUDA_FUSE", "0") == "1"
-        self._norm_key: tuple | None = None
-        self._last_norm: DeviceArray | None = None
+        self.fuse = parse_fusions(fuse)
+        # mmq: matmuls of more than MATVEC_MAX_TOKENS rows on the int8 tensor cores (mmq.cu; opt-in,
+        # NTX_CUDA_MMQ=1, until tests/cuda/test_mmq_gpu.py has passed on a GPU)
+        self.mmq = mmq if mmq is not None else os.environ.get("NTX_CUDA_MMQ", "0") == "1"
+        # "norm": the fused rmsnorm also quantizes its output in the format the fast matmuls fed
+        # by the same norm weight asked for before (_norm_keys: norm weight ptr -> act-cache key)
+        self._norm_keys: dict[int, tuple] = {}
+        self._last_norm: tuple | None = None  # (rmsnorm output, its norm weight's ptr)
+        self._pending: tuple | None = None  # (a, b, out): the add held back for the next op
         self.capturing = False
         self._staged: tuple | None = None  # (positions tuple) last uploaded to pos_buf
         self._act_cache: tuple | None = None  # (x, (vec_dot_type, has_min), (x_hat, s))
@@ -96,6 +127,7 @@ class CudaBackend:
         self._staged = key
 
     def embed(self, table: CudaWeight, ids: np.ndarray) -> DeviceArray:
+        self.flush()
         ids = np.asarray(ids).reshape(-1)
         if not self.capturing:
             upload(self.pool, ids.astype(np.int32), self.stream, out=self.ids_buf)
@@ -104,15 +136,18 @@ class CudaBackend:
         return out
 
     def matmul(self, w: CudaWeight, x: DeviceArray) -> DeviceArray:
+        self.flush()
         n, k = x.shape
         rows = w.shape[0]
         if k != w.shape[1]:
             raise ValueError(f"{w.name}: cannot multiply {x.shape} by weight {w.shape}")
         y = self._new(n, rows)
+        if self._uses_mmq(w, n):
+            xq, (xd, xs) = self._int8_activations(w, x)
+            self.k.mmq(w.ggml_type, w.data, xq, xd, xs, y, rows, k, n, self.stream)
+            return y
         if self.uses_fast(w):
-            if x is self._last_norm:
-                self._norm_key = (w.vec_dot_type, w.has_min, True)
-            xq, (xd, xs) = self._activations(w, x, int8=True)
+            xq, (xd, xs) = self._int8_activations(w, x)
             for t0 in range(0, n, MATVEC_MAX_TOKENS):
                 m = min(MATVEC_MAX_TOKENS, n - t0)
                 self.k.matvec_fast(w.ggml_type, w.data, xq[t0:t0 + m], xd[t0:t0 + m], xs[t0:t0 + m],
@@ -124,6 +159,54 @@ class CudaBackend:
             self.k.matvec(w.ggml_type, w.data, xq[t0:t0 + m], None if s is None else s[t0:t0 + m],
                           y[t0:t0 + m], rows, k, m, self.stream)
         return y
+
+    def matmul_many(self, ws, x: DeviceArray) -> list:
+        """[matmul(w, x) for w in ws]; with "qkv", up to three fast weights of one activation
+        format run as one launch (one grid over all their rows)."""
+        self.flush()
+        n, k = x.shape
+        if "qkv" not in self.fuse or not self._fusable(ws, k) or len(ws) > 3 \
+                or any(self._uses_mmq(w, n) for w in ws):
+            return [self.matmul(w, x) for w in ws]
+        xq, (xd, xs) = self._int8_activations(ws[0], x)
+        ys = [self._new(n, w.shape[0]) for w in ws]
+        specs = [(w.data, w.ggml_type, w.shape[0]) for w in ws]
+        for t0 in range(0, n, MATVEC_MAX_TOKENS):
+            m = min(MATVEC_MAX_TOKENS, n - t0)
+            self.k.matvec_multi(specs, xq[t0:t0 + m], xd[t0:t0 + m], xs[t0:t0 + m], [y[t0:t0 + m] for y in ys],
+                                k, m, self.stream)
+        return ys
+
+    def matmul_swiglu(self, w_gate: CudaWeight, w_up: CudaWeight, x: DeviceArray) -> DeviceArray:
+        """swiglu(matmul(w_gate, x), matmul(w_up, x)); with "ffn" one kernel when both are fast."""
+        self.flush()
+        n, k = x.shape
+        if "ffn" not in self.fuse or not self._fusable((w_gate, w_up), k) or w_gate.shape != w_up.shape \
+                or self._uses_mmq(w_gate, n):
+            return self.swiglu(self.matmul(w_gate, x), self.matmul(w_up, x))
+        xq, (xd, xs) = self._int8_activations(w_gate, x)
+        rows = w_gate.shape[0]
+        y = self._new(n, rows)
+        for t0 in range(0, n, MATVEC_MAX_TOKENS):
+            m = min(MATVEC_MAX_TOKENS, n - t0)
+            self.k.matvec_swiglu(w_gate.data, w_gate.ggml_type, w_up.data, w_up.ggml_type, xq[t0:t0 + m],
+                                 xd[t0:t0 + m], xs[t0:t0 + m], y[t0:t0 + m], rows, k, m, self.stream)
+        return y
+
+    def _fusable(self, ws, k: int) -> bool:
+        """All of ws take the dp4a kernels, multiply rows of k, and share one activation format."""
+        return all(self.uses_fast(w) and w.shape[1] == k and (w.vec_dot_type, w.has_min)
+                   == (ws[0].vec_dot_type, ws[0].has_min) for w in ws)
+
+    def _int8_activations(self, w: CudaWeight, x: DeviceArray) -> tuple:
+        """x as int8 for w, learning which format the rmsnorm that produced x should emit."""
+        if self._last_norm is not None and x is self._last_norm[0]:
+            self._norm_keys[self._last_norm[1]] = (w.vec_dot_type, w.has_min, True)
+        return self._activations(w, x, int8=True)
+
+    def _uses_mmq(self, w: CudaWeight, n: int) -> bool:
+        """Prefill-sized x (more than one _n8 slice) on the tensor-core kernel (opt-in)."""
+        return self.mmq and n > MATVEC_MAX_TOKENS and w.ggml_type in MMQ_TYPES and self.uses_fast(w)
 
     def uses_fast(self, w: CudaWeight) -> bool:
         """Whether w goes through matvec_fast.cu's dp4a kernels (ggml mode, aligned rows)."""
@@ -158,20 +241,34 @@ class CudaBackend:
         return xq, s
 
     def rmsnorm(self, x: DeviceArray, w: DeviceArray, eps: float) -> DeviceArray:
-        out = self._new(*x.shape)
-        key, (n, k) = self._norm_key, x.shape
-        q8k = key is not None and key[0] == GGMLType.Q8_K
-        if not self.fuse or key is None or key[0] not in (GGMLType.Q8_0, GGMLType.Q8_1, GGMLType.Q8_K) \
-                or k % (256 if q8k else 32):
+        d = None
+        if self._pending is not None and self._pending[2] is x:  # "norm": add + rmsnorm in one kernel
+            a, d, _ = self._pending
+            self._pending = None
+        else:
+            self.flush()
+            a = x
+        n, k = x.shape
+        out = self._new(n, k)
+        key = self._norm_keys.get(w.ptr) if "norm" in self.fuse else None
+        qmode = 0
+        if key is not None and key[0] in (GGMLType.Q8_0, GGMLType.Q8_1) and k % 32 == 0:
+            qmode = 1
+        elif key is not None and key[0] == GGMLType.Q8_K and k % 256 == 0:
+            qmode = 2
+        if qmode == 0 and d is None:
             self.k.rmsnorm(x, w, out, eps, self.stream)
         else:  # the act cache then hands the next matmul(s) on `out` these int8 values
-            xq, xd, xs = self._new(n, k, dtype=np.int8), self._new(n, k // 32), self._new(n, k // 32)
-            self.k.rmsnorm_quanti(x, w, out, xq, xd, xs, eps, q8k, self.stream)
-            self._act_cache = (out, key, (xq, (xd, xs)))
-        self._last_norm = out
+            xq, xd, xs = ((self._new(n, k, dtype=np.int8), self._new(n, k // 32), self._new(n, k // 32)) if qmode
+                          else (None, None, None))
+            self.k.add_rmsnorm_quanti(a, d, x if d is not None else None, w, out, xq, xd, xs, eps, qmode, self.stream)
+            if qmode:
+                self._act_cache = (out, key, (xq, (xd, xs)))
+        self._last_norm = (out, w.ptr)
         return out
 
     def rope(self, x: DeviceArray, positions: np.ndarray, n_heads: int) -> DeviceArray:
+        self.flush()
         c = self._model()
         self._stage_positions(positions)
         out = self._new(*x.shape)
@@ -180,37 +277,77 @@ class CudaBackend:
         return out
 
     def attention(self, q: DeviceArray, k: DeviceArray, v: DeviceArray, layer: int, start: int) -> DeviceArray:
+        self.flush()
+        c = self._model()
+        self._check_room(start, q.shape[0])
+        self._stage_positions(np.arange(start, start + q.shape[0]))
+        self.k.kv_store(k, v, self.k_cache[layer], self.v_cache[layer], self.pos_buf, c.kv_dim, self.stream)
+        return self._attend(q, layer)
+
+    def rope_attention(self, q: DeviceArray, k: DeviceArray, v: DeviceArray, positions: np.ndarray, layer: int,
+                       start: int) -> DeviceArray:
+        """attention(rope(q), rope(k), v); with "rope" the RoPEs and the cache store are one kernel."""
         c = self._model()
         n = q.shape[0]
+        if "rope" not in self.fuse or not np.array_equal(positions, np.arange(start, start + n)):
+            return self.attention(self.rope(q, positions, c.n_head), self.rope(k, positions, c.n_head_kv), v, layer,
+                                  start)
+        self.flush()
+        self._check_room(start, n)
+        self._stage_positions(positions)
+        qr = self._new(*q.shape)
+        self.k.rope_kv(q, k, v, qr, self.k_cache[layer], self.v_cache[layer], self.pos_buf, self.rope_ff, c.n_head,
+                       c.n_head_kv, c.head_dim, c.rope_dim, self.rope_scale, c.rope_freq_scale,
+                       c.rope_type == ROPE_NEOX, self.stream)
+        return self._attend(qr, layer)
+
+    def _check_room(self, start: int, n: int) -> None:
         if start + n > self.n_ctx:
             raise ValueError(f"context full: position {start + n} exceeds n_ctx {self.n_ctx}")
-        self._stage_positions(np.arange(start, start + n))
+
+    def _attend(self, q: DeviceArray, layer: int) -> DeviceArray:
+        """Causal GQA attention of q at the staged positions over layer's cache (already stored)."""
+        c, n = self._model(), q.shape[0]
         kc, vc = self.k_cache[layer], self.v_cache[layer]
-        self.k.kv_store(k, v, kc, vc, self.pos_buf, c.kv_dim, self.stream)
         out = self._new(n, c.q_dim)
+        scale = float(np.float32(1.0 / np.sqrt(c.head_dim)))
         if self.attn == "split" and n == 1 and c.head_dim <= 256:
             nchunk = -(-self.n_ctx // ATTN_CHUNK)
             scratch = (self._new(n, c.n_head, self.n_ctx), self._new(n, c.n_head, nchunk),
                        self._new(n, c.n_head, nchunk, c.head_dim))
             self.k.attention_split(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, self.n_ctx,
-                                   float(np.float32(1.0 / np.sqrt(c.head_dim))), scratch, self.stream)
+                                   scale, scratch, self.stream)
             return out
-        self.k.attention(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, self.n_ctx,
-                         float(np.float32(1.0 / np.sqrt(c.head_dim))), self.stream)
+        self.k.attention(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, self.n_ctx, scale,
+                         self.stream)
         return out
 
     def swiglu(self, gate: DeviceArray, up: DeviceArray) -> DeviceArray:
+        self.flush()
         out = self._new(*gate.shape)
         self.k.swiglu(gate, up, out, self.stream)
         return out
 
     def add(self, a: DeviceArray, b: DeviceArray) -> DeviceArray:
+        self.flush()
         out = self._new(*a.shape)
-        self.k.add(a, b, out, self.stream)
+        if "norm" in self.fuse and a.shape == b.shape:
+            self._pending = (a, b, out)  # launched by the next op, or fused into its rmsnorm
+        else:
+            self.k.add(a, b, out, self.stream)
         return out
+
+    def flush(self) -> None:
+        """Launch the held-back add, if any. Every op but a fusing rmsnorm calls this first; code
+        that launches kernels on this backend's arrays itself (through `self.k`) must too."""
+        if self._pending is not None:
+            a, b, out = self._pending
+            self._pending = None
+            self.k.add(a, b, out, self.stream)
 
     def argmax(self, x: DeviceArray) -> DeviceArray:
         """Index of the largest of x (flattened) as a device int32: greedy sampling on the GPU."""
+        self.flush()
         out = self._new(1, dtype=np.int32)
         self.k.argmax(x, out, self.stream)
         return out
@@ -221,6 +358,7 @@ class CudaBackend:
         # (n_ctx, n_head_kv*head_dim) f16 per layer: the layout the numpy backend uses
         self.k_cache = [self._new(n_ctx, cfg.kv_dim, dtype=np.float16) for _ in range(cfg.n_layers)]
         self.v_cache = [self._new(n_ctx, cfg.kv_dim, dtype=np.float16) for _ in range(cfg.n_layers)]
+        self._pending, self._last_norm, self._act_cache = None, None, None
         self.pos_buf = self._new(n_ctx, dtype=np.int32)
         self.ids_buf = self._new(n_ctx, dtype=np.int32)
         self._staged = None
@@ -233,6 +371,7 @@ class CudaBackend:
         pass  # attention reads positions <= the query's own; later ones are overwritten first
 
     def to_numpy(self, x: DeviceArray) -> np.ndarray:
+        self.flush()
         if self.capturing:  # inside graph capture nothing may wait: the graph owner reads it later
             self.captured_output = x
             return np.empty(x.shape, x.dtype)
@@ -242,6 +381,7 @@ class CudaBackend:
         return upload(self.pool, np.ascontiguousarray(x, np.float32), self.stream)
 
     def synchronize(self) -> None:
+        self.flush()
         self.stream.synchronize()
 
     def _model(self) -> ModelConfig:

@@ -34,11 +34,23 @@ ATTN_SPLIT_THREADS = 256
 MATVEC_VARIANTS = {"fast": "matvec", "staged": "matvec", "direct": "matvecd"}
 # types with an int8 dp4a kernel (matvecf_<suffix>_n1/_n8 in matvec_fast.cu)
 FAST_TYPES: dict[GGMLType, str] = {GGMLType.Q4_K: "q4_k", GGMLType.Q6_K: "q6_k", GGMLType.Q8_0: "q8_0"}
-FAST_ROWS_PER_BLOCK = 4  # NTX_FAST_WARPS in matvec_fast.cu
+FAST_ROWS_PER_BLOCK = 4  # NTX_FAST_WARPS in matvec_fast.cuh (fast_rows(): a tuning run may change it)
+MMQ_TYPES: dict[GGMLType, str] = {GGMLType.Q4_K: "q4_k", GGMLType.Q8_0: "q8_0"}  # mmq.cu's tensor-core prefill
+MMQ_TILE = 64  # NTX_MMQ_ROWS = NTX_MMQ_TOKENS in mmq.cu
+FAST_CODES = {GGMLType.Q4_K: 0, GGMLType.Q6_K: 1, GGMLType.Q8_0: 2}  # NTX_FT_* in matvec_fast.cuh
+NORM_THREADS = 1024  # one block a row: a decode step's norm is one row, so latency is all that counts
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def fast_rows() -> int:
+    """Rows per block of the dp4a kernels: NTX_FAST_WARPS as the kernels were compiled with it."""
+    for d in os.environ.get("NTX_CUDA_DEFINES", "").split():
+        if d.startswith("-DNTX_FAST_WARPS="):
+            return int(d.split("=", 1)[1])
+    return FAST_ROWS_PER_BLOCK
 
 
 def fast_matvec_ok(t: GGMLType, ptr: int, k: int) -> bool:
@@ -66,6 +78,7 @@ class Kernels:
         self.modules = {src: Module(cuda_nvrtc.cached_cubin(src, device.arch, cache_dir), src)
                         for src in cuda_nvrtc.SOURCES}
         self._attn_smem_limit = 48 * 1024
+        self.fast_rows = fast_rows()
 
     def fn(self, source: str, name: str):
         return self.modules[source].function(name)
@@ -96,8 +109,52 @@ class Kernels:
                     y: DeviceArray, rows: int, k: int, n: int, stream: Stream) -> None:
         """y (n, rows) = dequant(xq, xd) . w^T with dp4a; n <= MATVEC_MAX_TOKENS; see fast_matvec_ok."""
         variant = "n1" if n == 1 else "n8"
-        self._go("matvec_fast.cu", f"matvecf_{FAST_TYPES[t]}_{variant}", (_cdiv(rows, FAST_ROWS_PER_BLOCK),),
-                 (32 * FAST_ROWS_PER_BLOCK,), (w, xq, xd, xs, y, rows, k, n), stream)
+        self._go("matvec_fast.cu", f"matvecf_{FAST_TYPES[t]}_{variant}", (_cdiv(rows, self.fast_rows),),
+                 (32 * self.fast_rows,), (w, xq, xd, xs, y, rows, k, n), stream)
+
+    def mmq(self, t: GGMLType, w: DeviceArray, xq: DeviceArray, xd: DeviceArray, xs: DeviceArray, y: DeviceArray,
+            rows: int, k: int, n: int, stream: Stream) -> None:
+        """y (n, rows) = dequant(xq, xd) . w^T on the int8 tensor cores, any n (mmq.cu)."""
+        self._go("mmq.cu", f"mmq_{MMQ_TYPES[t]}", (_cdiv(rows, MMQ_TILE), _cdiv(n, MMQ_TILE)), (128,),
+                 (w, xq, xd, xs, y, rows, k, n), stream)
+
+    def matvec_multi(self, ws: list, xq: DeviceArray, xd: DeviceArray, xs: DeviceArray, ys: list, k: int, n: int,
+                     stream: Stream) -> None:
+        """ys[i] (n, rows_i) = x . ws[i]^T for up to three (data, type, rows) weights sharing the
+        activations (fused.cu's matvecf_multi; one grid over all their rows)."""
+        if not 1 <= len(ws) <= 3 or len(ys) != len(ws):
+            raise ValueError(f"matvec_multi takes 1 to 3 weights and as many outputs, got {len(ws)}/{len(ys)}")
+        pad = 3 - len(ws)
+        data = [w[0] for w in ws] + [None] * pad
+        codes = [FAST_CODES[w[1]] for w in ws] + [0] * pad
+        rows = [w[2] for w in ws] + [0] * pad
+        grid = (_cdiv(sum(rows), self.fast_rows),)
+        self._go("fused.cu", f"matvecf_multi_{'n1' if n == 1 else 'n8'}", grid, (32 * self.fast_rows,),
+                 (*data, *(list(ys) + [None] * pad), *rows, *codes, xq, xd, xs, k, n), stream)
+
+    def matvec_swiglu(self, wg: DeviceArray, tg: GGMLType, wu: DeviceArray, tu: GGMLType, xq: DeviceArray,
+                      xd: DeviceArray, xs: DeviceArray, y: DeviceArray, rows: int, k: int, n: int,
+                      stream: Stream) -> None:
+        """y (n, rows) = swiglu(x . wg^T, x . wu^T) in one kernel (fused.cu's matvecf_swiglu)."""
+        self._go("fused.cu", f"matvecf_swiglu_{'n1' if n == 1 else 'n8'}", (_cdiv(rows, self.fast_rows),),
+                 (32 * self.fast_rows,), (wg, wu, FAST_CODES[tg], FAST_CODES[tu], xq, xd, xs, y, rows, k, n),
+                 stream)
+
+    def add_rmsnorm_quanti(self, x, d, s, w, out, xq, xd, xs, eps: float, qmode: int, stream: Stream) -> None:
+        """s = x + d (d None: no add), out = rmsnorm(s) * w, and out quantized for the next
+        matmul when qmode is 1 (Q8_0/Q8_1 blocks) or 2 (Q8_K), in one launch (fused.cu)."""
+        n, k = x.shape
+        self._go("fused.cu", "add_rmsnorm_quanti", (n,), (NORM_THREADS,),
+                 (x, d, s, w, out, xq, xd, xs, k, float(eps), int(qmode)), stream)
+
+    def rope_kv(self, q, k, v, q_out, kc, vc, pos, ff, n_head, n_kv, head_dim, rope_dim, scale, freq_scale, neox,
+                stream) -> None:
+        """rope(q) -> q_out, rope(k) and v into the F16 caches at pos: rope x2 + kv_store in one launch."""
+        n = q.shape[0]
+        work = (n_head + n_kv) * (head_dim // 2)
+        self._go("fused.cu", "rope_kv", (_cdiv(work, 128), n), (128,),
+                 (q, k, v, q_out, kc, vc, pos, ff, n_head, n_kv, head_dim, rope_dim, float(scale), float(freq_scale),
+                  int(neox)), stream)
 
     def quantize_int8(self, vec_dot: GGMLType, x: DeviceArray, xq: DeviceArray, xd: DeviceArray, xs: DeviceArray,
                       stream: Stream) -> None:
@@ -112,9 +169,7 @@ class Kernels:
 
     def rmsnorm_quanti(self, x, w, out, xq, xd, xs, eps: float, q8k: bool, stream: Stream) -> None:
         """rmsnorm into out and, in the same kernel, out quantized as quantize_int8 would."""
-        n, k = x.shape
-        self._go("matvec_fast.cu", "rmsnorm_quanti", (n,), (256,), (x, w, out, xq, xd, xs, k, float(eps), int(q8k)),
-                 stream)
+        self.add_rmsnorm_quanti(x, None, None, w, out, xq, xd, xs, eps, 2 if q8k else 1, stream)
 
     def embed(self, t: GGMLType, table: DeviceArray, ids: DeviceArray, out: DeviceArray, n: int, k: int,
               stream: Stream) -> None:
@@ -141,7 +196,7 @@ class Kernels:
     # --- element-wise and row ops -------------------------------------------------------
     def rmsnorm(self, x: DeviceArray, w: DeviceArray, out: DeviceArray, eps: float, stream: Stream) -> None:
         n, k = x.shape
-        self._go("ops.cu", "rmsnorm", (n,), (256,), (x, w, out, k, float(eps)), stream)
+        self._go("ops.cu", "rmsnorm", (n,), (NORM_THREADS,), (x, w, out, k, float(eps)), stream)
 
     def rope(self, x, out, pos, ff, n_heads, head_dim, rope_dim, scale, freq_scale, neox, stream) -> None:
         n = x.shape[0]

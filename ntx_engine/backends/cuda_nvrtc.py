@@ -14,8 +14,19 @@ from pathlib import Path
 from ntx_common.errors import CudaError
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "native" / "cuda"
-SOURCES = ("matvec.cu", "matvec_fast.cu", "ops.cu", "attention.cu")
+SOURCES = ("matvec.cu", "matvec_fast.cu", "fused.cu", "mmq.cu", "ops.cu", "attention.cu")
 OPTIONS = ("-std=c++17", "-default-device", "-lineinfo")
+# the dp4a matvec's launch-shape macros (NTX_G_*, NTX_FAST_WARPS, NTX_FAST_MINB; matvec_fast.cuh)
+# can be set for a tuning run with NTX_CUDA_DEFINES="-DNAME=VALUE ..."; they apply to these only
+TUNABLE = ("matvec_fast.cu", "fused.cu")
+
+
+def options(source: str) -> tuple[str, ...]:
+    defines = os.environ.get("NTX_CUDA_DEFINES", "").split() if source in TUNABLE else []
+    bad = [d for d in defines if not d.startswith("-DNTX_")]
+    if bad:
+        raise CudaError(f"NTX_CUDA_DEFINES may only set -DNTX_* macros, not {bad}")
+    return OPTIONS + tuple(defines)
 
 
 def _nvrtc():
@@ -53,7 +64,7 @@ def cache_key(source: str, arch: str, kernel_dir: Path = KERNEL_DIR) -> str:
     h = hashlib.sha256()
     for path in [kernel_dir / source, *sorted(kernel_dir.glob("*.cuh"))]:
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    h.update(f"{arch}|{nvrtc_version()}|{' '.join(OPTIONS)}".encode())
+    h.update(f"{arch}|{nvrtc_version()}|{' '.join(options(source))}".encode())
     return h.hexdigest()[:24]
 
 
@@ -75,7 +86,7 @@ def compile_cubin(source: str, arch: str, kernel_dir: Path = KERNEL_DIR) -> tupl
                        f"nvrtcCreateProgram({source})")
     try:
         opts = [f"--gpu-architecture={arch}".encode(), f"--include-path={kernel_dir}".encode(),
-                *(o.encode() for o in OPTIONS)]
+                *(o.encode() for o in options(source))]
         err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         log = _program_log(nvrtc, prog)
         check_nvrtc((err,), f"nvrtcCompileProgram({source}, {arch})", log)

@@ -43,6 +43,18 @@ class NumpyBackend:
     def matmul(self, w: matmul.MatmulWeight, x: np.ndarray) -> np.ndarray:
         return w.matmul(x, self.matmul_mode)
 
+    # the fused ops of base.Backend, as the plain compositions they stand for (the oracle)
+    def matmul_many(self, ws, x: np.ndarray) -> list[np.ndarray]:
+        return [self.matmul(w, x) for w in ws]
+
+    def matmul_swiglu(self, w_gate, w_up, x: np.ndarray) -> np.ndarray:
+        return self.swiglu(self.matmul(w_gate, x), self.matmul(w_up, x))
+
+    def rope_attention(self, q, k, v, positions, layer, start):
+        cfg = self._model()
+        return self.attention(self.rope(q, positions, cfg.n_head), self.rope(k, positions, cfg.n_head_kv), v, layer,
+                              start)
+
     def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
         mean = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)  # ggml sums in double
         scale = (1.0 / np.sqrt(mean.astype(np.float32) + np.float32(eps))).astype(np.float32)

@@ -56,6 +56,32 @@ def test_moe_kernels_compile(arch):
         assert kernel.encode() + b"\0" in cubin, f"{kernel} missing from the moe.cu cubin"
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_fused_kernels_present(arch):
+    cubin, _ = cuda_nvrtc.compile_cubin("fused.cu", arch)
+    for kernel in ("matvecf_multi_n1", "matvecf_multi_n8", "matvecf_swiglu_n1", "matvecf_swiglu_n8", "rope_kv",
+                   "add_rmsnorm_quanti"):
+        assert kernel.encode() + b"\0" in cubin, f"{kernel} missing from the cubin"
+    from ntx_engine.backends.cuda_kernels import MMQ_TYPES
+
+    cubin, _ = cuda_nvrtc.compile_cubin("mmq.cu", arch)
+    for suffix in MMQ_TYPES.values():
+        assert f"mmq_{suffix}".encode() + b"\0" in cubin, f"mmq_{suffix} missing from the cubin"
+
+
+def test_tuning_defines_reach_only_the_dp4a_sources(monkeypatch):
+    """NTX_CUDA_DEFINES changes the options (and so the cache key) of matvec_fast.cu/fused.cu
+    only; anything but -DNTX_* is refused."""
+    monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_G_Q8_0=64")
+    assert cuda_nvrtc.options("fused.cu")[-1] == "-DNTX_G_Q8_0=64"
+    assert cuda_nvrtc.options("matvec.cu") == cuda_nvrtc.OPTIONS
+    cubin, _ = cuda_nvrtc.compile_cubin("matvec_fast.cu", "sm_90")
+    assert b"matvecf_q8_0_n1\0" in cubin
+    monkeypatch.setenv("NTX_CUDA_DEFINES", "-O0")
+    with pytest.raises(CudaError, match="NTX_CUDA_DEFINES"):
+        cuda_nvrtc.options("fused.cu")
+
+
 def test_cache_reuses_cubin_and_keys_on_source(tmp_path):
     kdir = tmp_path / "kernels"
     shutil.copytree(cuda_nvrtc.KERNEL_DIR, kdir)

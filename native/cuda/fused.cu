@@ -1,0 +1,128 @@
+// Fused decode/prefill kernels: each replaces a chain of the one-op kernels with one launch and
+// computes bit-for-bit what the chain computes (same helpers, same float32 operations), so the
+// tests compare them against the unfused kernels exactly.
+//
+//   matvecf_multi_n*   up to three dp4a matvecs on the same int8 activations (q, k, v)
+//   matvecf_swiglu_n*  gate and up rows by one warp, silu(gate) * up written directly
+//   rope_kv            RoPE of q and k, k and v stored into the layer's F16 KV cache
+//   add_rmsnorm_quanti residual add, RMSNorm and the next matmul's int8 activation quantization
+#include "matvec_fast.cuh"
+#include "ops.cuh"
+
+// Rows of W0, W1, W2 numbered one after another; one warp a row as in matvec_fast.cu. ty*: the
+// NTX_FT_* code of each weight; all three share k and the activation format (vec_dot_type).
+template <int N>
+__device__ void matvec_multi(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, float* Y0, float* Y1,
+                             float* Y2, int r0, int r1, int r2, int ty0, int ty1, int ty2, const int8_t* xq,
+                             const float* xd, const float* xs, int k, int n) {
+    __shared__ __align__(16) uint8_t stage[NTX_FAST_WARPS][NTX_FAST_STAGE];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int row = blockIdx.x * NTX_FAST_WARPS + warp, rows = r0, ty = ty0;
+    const uint8_t* W = W0;
+    float* Y = Y0;
+    if (row >= r0) {
+        row -= r0, W = W1, Y = Y1, rows = r1, ty = ty1;
+        if (row >= r1) {
+            row -= r1, W = W2, Y = Y2, rows = r2, ty = ty2;
+            if (row >= r2) return;  // the whole warp leaves together
+        }
+    }
+    float acc[N];
+    fast_row_any<N>(ty, W, row, xq, xd, xs, stage[warp], k, n, acc);
+#pragma unroll
+    for (int t = 0; t < N; ++t)
+        if (lane == 0 && t < n) Y[(size_t)t * rows + row] = acc[t];
+}
+
+// Y (n, rows) = swiglu(x . Wg^T, x . Wu^T): the warp of row i computes gate row i, then up row i.
+template <int N>
+__device__ void matvec_swiglu(const uint8_t* Wg, const uint8_t* Wu, int tyg, int tyu, const int8_t* xq,
+                              const float* xd, const float* xs, float* Y, int rows, int k, int n) {
+    __shared__ __align__(16) uint8_t stage[NTX_FAST_WARPS][NTX_FAST_STAGE];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row = blockIdx.x * NTX_FAST_WARPS + warp;
+    if (row >= rows) return;
+    float g[N], u[N];
+    fast_row_any<N>(tyg, Wg, row, xq, xd, xs, stage[warp], k, n, g);
+    fast_row_any<N>(tyu, Wu, row, xq, xd, xs, stage[warp], k, n, u);
+#pragma unroll
+    for (int t = 0; t < N; ++t)
+        if (lane == 0 && t < n) Y[(size_t)t * rows + row] = ntx_swiglu(g[t], u[t]);
+}
+
+#define NTX_FUSED(N)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(NTX_FAST_WARPS * 32, (N == 1 ? NTX_FAST_MINB : 1))                   \
+    matvecf_multi_n##N(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, float* Y0, float* Y1,      \
+                       float* Y2, int r0, int r1, int r2, int ty0, int ty1, int ty2, const int8_t* xq,     \
+                       const float* xd, const float* xs, int k, int n) {                                   \
+        NTX_PDL();                                                                                         \
+        matvec_multi<N>(W0, W1, W2, Y0, Y1, Y2, r0, r1, r2, ty0, ty1, ty2, xq, xd, xs, k, n);              \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(NTX_FAST_WARPS * 32, (N == 1 ? NTX_FAST_MINB : 1))                   \
+    matvecf_swiglu_n##N(const uint8_t* Wg, const uint8_t* Wu, int tyg, int tyu, const int8_t* xq,          \
+                        const float* xd, const float* xs, float* Y, int rows, int k, int n) {              \
+        NTX_PDL();                                                                                         \
+        matvec_swiglu<N>(Wg, Wu, tyg, tyu, xq, xd, xs, Y, rows, k, n);                                     \
+    }
+
+NTX_FUSED(1)
+NTX_FUSED(8)
+
+// RoPE of q (n, n_head*head_dim) into q_out and of k (n, n_kv*head_dim), whose rotated values go
+// straight into the F16 K cache at pos[t], with v's into the V cache: ops.cu's rope (twice) and
+// kv_store in one launch. Grid: (pairs of q and k) / blockDim, n.
+extern "C" __global__ void rope_kv(const float* __restrict__ q, const float* __restrict__ k,
+                                   const float* __restrict__ v, float* __restrict__ q_out, uint16_t* kc,
+                                   uint16_t* vc, const int* __restrict__ pos, const float* __restrict__ ff,
+                                   int n_head, int n_kv, int head_dim, int rope_dim, float scale, float freq_scale,
+                                   int neox) {
+    NTX_PDL();
+    const int t = blockIdx.y, half_hd = head_dim / 2;
+    int idx = blockIdx.x * blockDim.x + threadIdx.x, a, b;
+    float o0, o1;
+    if (idx < n_head * half_hd) {
+        const size_t row = (size_t)t * n_head * head_dim;
+        ntx_rope_pair(q + row, idx, head_dim, rope_dim, pos[t], ff, scale, freq_scale, neox, &a, &b, &o0, &o1);
+        q_out[row + a] = o0;
+        q_out[row + b] = o1;
+        return;
+    }
+    idx -= n_head * half_hd;
+    if (idx >= n_kv * half_hd) return;
+    const int kv_dim = n_kv * head_dim;
+    const size_t row = (size_t)t * kv_dim, dst = (size_t)pos[t] * kv_dim;
+    ntx_rope_pair(k + row, idx, head_dim, rope_dim, pos[t], ff, scale, freq_scale, neox, &a, &b, &o0, &o1);
+    kc[dst + a] = ntx_f2h(o0);
+    kc[dst + b] = ntx_f2h(o1);
+    vc[dst + a] = ntx_f2h(v[row + a]);
+    vc[dst + b] = ntx_f2h(v[row + b]);
+}
+
+// Row blockIdx.x: s = x + d (skipped when d is null: the norm reads x), out = rmsnorm(s) * w, and
+// when qmode != 0 out quantized as quanti_q8_1 (qmode 1, k % 32 == 0) or quanti_q8_k (qmode 2,
+// k % 256 == 0) would: ops.cu's add and rmsnorm and matvec_fast.cu's quantizer in one block.
+extern "C" __global__ void add_rmsnorm_quanti(const float* __restrict__ x, const float* __restrict__ d,
+                                              float* __restrict__ s, const float* __restrict__ w,
+                                              float* __restrict__ out, int8_t* xq, float* xd, float* xs, int k,
+                                              float eps, int qmode) {
+    NTX_PDL();
+    __shared__ double part[32];
+    const size_t r = blockIdx.x;
+    const float* xr = x + r * k;
+    if (d != nullptr) {
+        float* sr = s + r * k;
+        for (int i = threadIdx.x; i < k; i += blockDim.x) sr[i] = __fadd_rn(xr[i], d[r * k + i]);
+        xr = sr;  // the norm reads each thread's own elements back: no barrier needed
+    }
+    float* outr = out + r * k;
+    ntx_rmsnorm_row(xr, w, outr, k, eps, part);
+    if (qmode == 0) return;
+    __syncthreads();  // the row's values, written by the whole block, are visible to every warp
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int per = qmode == 2 ? 256 : 32, nb = k / per;
+    for (int b = warp; b < nb; b += nw) {
+        const size_t gb = r * nb + b;
+        if (qmode == 2) quanti_q8_k_block(out, xq, xd, xs, gb, lane);
+        else quanti_q8_1_block(out, xq, xd, xs, gb, lane);
+    }
+}

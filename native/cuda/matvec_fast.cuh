@@ -1,0 +1,230 @@
+// The dp4a matvec building blocks shared by matvec_fast.cu (one weight a launch) and fused.cu
+// (several weights a launch, fused epilogues): the unit decoders, the 16-byte group streaming of
+// one row by one warp (fast_row), and the per-block int8 activation quantizers. See matvec_fast.cu
+// for the layout of the work and the activation format.
+#pragma once
+#include "ntx_quants.cuh"
+#include "act_quant.cuh"
+#include "rmsnorm.cuh"
+
+// Launch shape (overridable for tuning runs, cuda_nvrtc.TUNABLE): rows (warps) per block, the
+// minimum resident blocks per SM of the n1 kernels (caps their registers), and blocks per group.
+#ifndef NTX_FAST_WARPS
+#define NTX_FAST_WARPS 4
+#endif
+#ifndef NTX_FAST_MINB
+#define NTX_FAST_MINB 8
+#endif
+#ifndef NTX_G_Q4_K
+#define NTX_G_Q4_K 8
+#endif
+#ifndef NTX_G_Q6_K
+#define NTX_G_Q6_K 8
+#endif
+#ifndef NTX_G_Q8_0
+#define NTX_G_Q8_0 32
+#endif
+
+__device__ __forceinline__ float fwarp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float fwarp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Eight 32-bit words from a 2-byte aligned shared-memory address: aligned word loads joined with
+// a funnel shift (the stage has 16 bytes of padding for the ninth word).
+__device__ __forceinline__ void ld8(const uint8_t* p, uint32_t* w) {
+    const uint32_t* a = reinterpret_cast<const uint32_t*>((size_t)p & ~(size_t)3);
+    const unsigned sh = ((unsigned)(size_t)p & 3u) * 8u;
+    uint32_t prev = a[0];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const uint32_t next = a[i + 1];
+        w[i] = __funnelshift_r(prev, next, sh);
+        prev = next;
+    }
+}
+
+// The 32 int8 activations of one unit as 8 words (16-byte aligned in global memory).
+__device__ __forceinline__ void ldx(const int8_t* __restrict__ x, int* v) {
+    const int4 a = __ldg(reinterpret_cast<const int4*>(x)), b = __ldg(reinterpret_cast<const int4*>(x) + 1);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+// Each F::unit returns one unit's dot product without the activation scale dx: the caller
+// multiplies by dx (and passes sx, the unit's int8 sum, for the block minimum of Q4_K).
+struct FastQ4_K {
+    typedef BlkQ4_K B;
+    static const int G = NTX_G_Q4_K;  // 8: 1152 bytes a group
+    static __device__ __forceinline__ float unit(const uint8_t* b, int j, const int* x, float sx) {
+        int sc, mn;
+        ntx_k_scale_min(b + 4, j, &sc, &mn);
+        const uint4* q4 = reinterpret_cast<const uint4*>(b + 16 + 32 * (j / 2));  // 16-aligned
+        const uint4 qa = q4[0], qb = q4[1];
+        const uint32_t q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+        const int shift = 4 * (j % 2);
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s = __dp4a((int)((q[i] >> shift) & 0x0F0F0F0Fu), x[i], s);
+        const float d1 = NTX_MUL(ntx_ldh(b), (float)sc), m1 = NTX_MUL(ntx_ldh(b + 2), (float)mn);
+        return d1 * (float)s - m1 * sx;
+    }
+};
+
+struct FastQ6_K {
+    typedef BlkQ6_K B;
+    static const int G = NTX_G_Q6_K;  // 8: 1680 bytes a group
+    static __device__ __forceinline__ float unit(const uint8_t* b, int j, const int* x, float) {
+        const int h = j / 4, s = j % 4;
+        uint32_t lo[8], hi[8];
+        ld8(b + h * 64 + (s % 2) * 32, lo);
+        ld8(b + 128 + h * 32, hi);
+        const int lshift = 4 * (s / 2), hshift = 2 * s;
+        int s0 = 0, s1 = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const uint32_t q6 = ((lo[i] >> lshift) & 0x0F0F0F0Fu) | (((hi[i] >> hshift) & 0x03030303u) << 4);
+            const int q = (int)__vsub4(q6, 0x20202020u);  // per byte: q - 32, as int8
+            if (i < 4) s0 = __dp4a(q, x[i], s0);
+            else s1 = __dp4a(q, x[i], s1);
+        }
+        const int isum = (int)(int8_t)b[192 + 2 * j] * s0 + (int)(int8_t)b[193 + 2 * j] * s1;
+        return ntx_ldh(b + 208) * (float)isum;
+    }
+};
+
+struct FastQ8_0 {
+    typedef BlkQ8_0 B;
+    static const int G = NTX_G_Q8_0;  // 32: 1088 bytes a group
+    static __device__ __forceinline__ float unit(const uint8_t* b, int, const int* x, float) {
+        uint32_t q[8];
+        ld8(b + 2, q);
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s = __dp4a((int)q[i], x[i], s);
+        return ntx_ldh(b) * (float)s;
+    }
+};
+
+template <class F>
+struct FastGroup {
+    static const int BYTES = F::G * F::B::BYTES;
+    static const int CHUNKS = BYTES / 16;
+    static const int CH = (CHUNKS + 31) / 32;  // 16-byte loads per lane per group
+    static_assert(BYTES % 16 == 0, "a group must be whole 16-byte chunks");
+};
+
+template <class F>
+__device__ __forceinline__ void load_group(uint4* r, const uint8_t* __restrict__ src, int nbytes, int lane) {
+#pragma unroll
+    for (int c = 0; c < FastGroup<F>::CH; ++c) {
+        const int off = 16 * (lane + 32 * c);
+        if (off < nbytes) r[c] = __ldcs(reinterpret_cast<const uint4*>(src + off));
+    }
+}
+
+// Row `row` of W (k columns) times the n <= N activation rows, by one warp: every lane returns
+// the totals in acc. st is the warp's stage, at least FastGroup<F>::BYTES + 16 bytes.
+template <class F, int N>
+__device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row, const int8_t* __restrict__ xq,
+                                         const float* __restrict__ xd, const float* __restrict__ xs,
+                                         uint8_t* st, int k, int n, float* acc) {
+    typedef FastGroup<F> Grp;
+    const int lane = threadIdx.x & 31;
+    const int nb = k / F::B::QK, row_bytes = nb * F::B::BYTES, k32 = k / 32;
+    const uint8_t* wrow = W + (size_t)row * row_bytes;
+#pragma unroll
+    for (int t = 0; t < N; ++t) acc[t] = 0.f;
+    uint4 r[Grp::CH];
+    load_group<F>(r, wrow, min(Grp::BYTES, row_bytes), lane);
+    for (int g0 = 0; g0 < nb; g0 += F::G) {
+        const int nbytes = min(Grp::BYTES, row_bytes - g0 * F::B::BYTES);
+#pragma unroll
+        for (int c = 0; c < Grp::CH; ++c) {
+            const int off = 16 * (lane + 32 * c);
+            if (off < nbytes) *reinterpret_cast<uint4*>(st + off) = r[c];
+        }
+        __syncwarp();
+        const int next = (g0 + F::G) * F::B::BYTES;
+        if (next < row_bytes) load_group<F>(r, wrow + next, min(Grp::BYTES, row_bytes - next), lane);
+        const int units = min(F::G, nb - g0) * F::B::UNITS;
+        for (int u = lane; u < units; u += 32) {
+            const int bl = u / F::B::UNITS, j = u % F::B::UNITS;
+            const int col32 = (g0 + bl) * (F::B::QK / 32) + j;  // global index of the 32 values
+#pragma unroll
+            for (int t = 0; t < N; ++t) {
+                if (t < n) {
+                    int x[8];
+                    ldx(xq + (size_t)t * k + 32 * (size_t)col32, x);
+                    const size_t si = (size_t)t * k32 + col32;
+                    acc[t] += __ldg(xd + si) * F::unit(st + bl * F::B::BYTES, j, x, __ldg(xs + si));
+                }
+            }
+        }
+        __syncwarp();
+    }
+#pragma unroll
+    for (int t = 0; t < N; ++t) acc[t] = fwarp_sum(acc[t]);
+}
+
+// Type codes of the fused kernels (cuda_kernels.FAST_CODES) and a stage that fits every type.
+#define NTX_FT_Q4_K 0
+#define NTX_FT_Q6_K 1
+#define NTX_FT_Q8_0 2
+#define NTX_MAX3(a, b, c) ((a) > (b) ? ((a) > (c) ? (a) : (c)) : ((b) > (c) ? (b) : (c)))
+#define NTX_FAST_STAGE (NTX_MAX3(NTX_G_Q4_K * 144, NTX_G_Q6_K * 210, NTX_G_Q8_0 * 34) + 16)  // + ld8 padding
+static_assert(FastGroup<FastQ4_K>::BYTES + 16 <= NTX_FAST_STAGE && FastGroup<FastQ6_K>::BYTES + 16 <= NTX_FAST_STAGE &&
+              FastGroup<FastQ8_0>::BYTES + 16 <= NTX_FAST_STAGE, "NTX_FAST_STAGE too small");
+
+// fast_row for a weight whose type is only known at run time (warp-uniform branch).
+template <int N>
+__device__ __forceinline__ void fast_row_any(int type, const uint8_t* W, int row, const int8_t* xq, const float* xd,
+                                             const float* xs, uint8_t* st, int k, int n, float* acc) {
+    if (type == NTX_FT_Q4_K) fast_row<FastQ4_K, N>(W, row, xq, xd, xs, st, k, n, acc);
+    else if (type == NTX_FT_Q6_K) fast_row<FastQ6_K, N>(W, row, xq, xd, xs, st, k, n, acc);
+    else fast_row<FastQ8_0, N>(W, row, xq, xd, xs, st, k, n, acc);
+}
+
+// --- activations as int8 + per-32 scale and sum ------------------------------------------
+// The same quantizers as matvec.cu's quant_q8_1 / quant_q8_k (act_quant.cuh's scalar steps), so
+// xd * xq equals their x_hat exactly (Q8_0/Q8_1) or before its one float rounding (Q8_K).
+
+// One 32-value block b of x (Q8_0/Q8_1 scale) by one warp.
+__device__ __forceinline__ void quanti_q8_1_block(const float* x, int8_t* xq, float* xd, float* xs, size_t b,
+                                                  int lane) {
+    const float v = x[32 * b + lane];
+    float d, inv;
+    ntx_q8_scale(fwarp_max(fabsf(v)), &d, &inv);
+    const float q = ntx_q8_q(v, inv);
+    xq[32 * b + lane] = (int8_t)(int)q;
+    const float sum = fwarp_sum(q);  // small integers: exact in any order
+    if (lane == 0) {
+        xd[b] = ntx_round_f16(d);
+        xs[b] = sum;
+    }
+}
+
+// One 256-value block b of x (Q8_K) by one warp.
+__device__ __forceinline__ void quanti_q8_k_block(const float* x, int8_t* xq, float* xd, float* xs, size_t b,
+                                                  int lane) {
+    const float* xb = x + 256 * b;
+    float v[8];
+    const int idx = ntx_q8k_pivot_warp(xb, v, lane);
+    float iscale, d;
+    ntx_q8k_scale(xb[idx], &iscale, &d);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float q = ntx_q8k_q(v[i], iscale);
+        xq[256 * b + lane + 32 * i] = (int8_t)(int)q;
+        const float sum = fwarp_sum(q);
+        if (lane == 0) {
+            xd[8 * b + i] = d;
+            xs[8 * b + i] = sum;
+        }
+    }
+}
+

@@ -1,0 +1,182 @@
+"""The fused CUDA ops (qkv matmul, gate/up + SwiGLU, RoPE + KV store, add + RMSNorm + quantize)
+against the unfused kernels they replace (bit for bit: same function, same float32 operations)
+and against the numpy backend's plain composition (the oracle), on fresh random inputs with
+outputs poisoned first; then whole synthetic models, fused vs unfused, logits bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ntx_engine.backends.numpy_backend import NumpyBackend
+from ntx_engine.config import ModelConfig
+from ntx_engine.quants import GGMLType
+
+pytestmark = pytest.mark.gpu
+
+T = GGMLType
+
+
+def _backends(cfg=None, n_ctx=64, freqs=None):
+    """(fused, unfused) CUDA backends, set up for cfg when given (tests take the cuda_backend
+    fixture first: it skips them where no GPU is usable)."""
+    from ntx_engine.backends.cuda_backend import CudaBackend
+
+    pair = CudaBackend(fuse="all"), CudaBackend(fuse="none")
+    if cfg is not None:
+        for b in pair:
+            b.set_model(cfg, n_ctx, freqs)
+    return pair
+
+
+def _rel(out, ref) -> float:
+    assert np.isfinite(out).all(), "unwritten or non-finite outputs"
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _weights(synth, types_rows, k, seed):
+    rng = np.random.default_rng(seed)
+    return [(t, rows, synth.random_blocks(t, rows * k, rng)) for t, rows in types_rows]
+
+
+@pytest.mark.parametrize("n", [1, 3, 11])
+@pytest.mark.parametrize("mix", [((T.Q4_K, 67), (T.Q4_K, 37), (T.Q6_K, 5)), ((T.Q8_0, 64), (T.Q8_0, 16), (T.Q8_0, 9))],
+                         ids=["q4_k-q4_k-q6_k", "q8_0"])
+def test_matmul_many_is_one_launch_of_the_same_products(cuda_backend, synth, mix, n):
+    fused, plain = _backends()
+    k = 4096  # Q6_K's dp4a path needs k % 2048 == 0
+    ws = _weights(synth, mix, k, 31 + n)
+    x = (np.random.default_rng(n).standard_normal((n, k)) * 2).astype(np.float32)
+    outs = []
+    for b in (fused, plain):
+        mats = [b.matrix(raw, t, (rows, k), f"w{i}") for i, (t, rows, raw) in enumerate(ws)]
+        assert all(b.uses_fast(m) for m in mats)
+        b.k.profile = []
+        ys = b.matmul_many(mats, b.from_numpy(x))
+        launches = [name for name, *_ in b.k.profile]
+        b.k.profile = None
+        outs.append([b.to_numpy(y) for y in ys])
+        assert sum(name.startswith("matvecf_") for name in launches) == (
+            -(-n // 8) * (1 if b is fused else len(ws))), launches
+    npb = NumpyBackend()
+    for (t, rows, raw), got, want in zip(ws, *outs):
+        assert np.array_equal(got, want), f"fused {t.name} rows differ from the single matmul"
+        assert _rel(got, npb.matmul(npb.matrix(raw, t, (rows, k), "w"), x)) < 2e-5
+
+
+@pytest.mark.parametrize("n", [1, 5, 9])
+@pytest.mark.parametrize("t", [T.Q4_K, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+def test_matmul_swiglu_equals_swiglu_of_two_matmuls(cuda_backend, synth, t, n):
+    fused, plain = _backends()
+    rows, k = 71, 4096
+    (_, _, rg), (_, _, ru) = _weights(synth, [(t, rows), (t, rows)], k, 77 + n)
+    x = np.random.default_rng(n + 5).standard_normal((n, k)).astype(np.float32)
+    got, want = [b.to_numpy(b.matmul_swiglu(b.matrix(rg, t, (rows, k), "g"), b.matrix(ru, t, (rows, k), "u"),
+                                            b.from_numpy(x))) for b in (fused, plain)]
+    assert np.array_equal(got, want)
+    npb = NumpyBackend()
+    ref = npb.matmul_swiglu(npb.matrix(rg, t, (rows, k), "g"), npb.matrix(ru, t, (rows, k), "u"), x)
+    assert _rel(got, ref) < 2e-5
+
+
+def _cfg(rope_type, rope_dim, head_dim, n_head, n_kv, freq_scale=1.0) -> ModelConfig:
+    return ModelConfig(arch="llama", n_layers=2, n_embd=n_head * head_dim, n_ff=256, n_head=n_head,
+                       n_head_kv=n_kv, head_dim=head_dim, rope_dim=rope_dim, rope_base=10000.0,
+                       rope_type=rope_type, rope_freq_scale=freq_scale, has_rope_freqs=False, rms_eps=1e-5,
+                       context_length=512, vocab_size=64, tied_embeddings=True, qkv_bias=False)
+
+
+@pytest.mark.parametrize("rope_type,rope_dim,head_dim,n_head,n_kv,freqs", [
+    ("norm", 64, 64, 8, 2, False), ("neox", 128, 128, 4, 4, False), ("neox", 48, 64, 9, 3, True),
+    ("norm", 32, 64, 6, 2, True)])
+def test_rope_attention_equals_rope_rope_store_attention(cuda_backend, rope_type, rope_dim, head_dim, n_head, n_kv,
+                                                         freqs):
+    cfg = _cfg(rope_type, rope_dim, head_dim, n_head, n_kv, 0.5 if freqs else 1.0)
+    rng = np.random.default_rng(rope_dim + n_head)
+    ff = rng.uniform(1, 8, rope_dim // 2).astype(np.float32) if freqs else None
+    fused, plain = _backends(cfg, 300, ff)
+    npb = NumpyBackend()
+    npb.set_model(cfg, 300, ff)
+    start = 0
+    for n in (7, 1, 1, 250, 1):
+        q = rng.standard_normal((n, cfg.q_dim)).astype(np.float32) * 2
+        k = rng.standard_normal((n, cfg.kv_dim)).astype(np.float32) * 2
+        v = rng.standard_normal((n, cfg.kv_dim)).astype(np.float32)
+        pos = np.arange(start, start + n)
+        for layer in (0, 1):
+            got, want = [b.to_numpy(b.rope_attention(b.from_numpy(q), b.from_numpy(k), b.from_numpy(v), pos, layer,
+                                                     start)) for b in (fused, plain)]
+            assert np.array_equal(got, want), f"n={n} start={start} layer {layer}"
+            assert _rel(got, npb.rope_attention(q, k, v, pos, layer, start)) < 1e-3
+        start += n
+    for layer in (0, 1):
+        assert np.array_equal(fused.to_numpy(fused.k_cache[layer]), plain.to_numpy(plain.k_cache[layer]))
+        assert np.array_equal(fused.to_numpy(fused.v_cache[layer]), plain.to_numpy(plain.v_cache[layer]))
+
+
+@pytest.mark.parametrize("fmt", [None, T.Q8_K, T.Q8_0], ids=["norm-only", "q8_k", "q8_1"])
+@pytest.mark.parametrize("n", [1, 4])
+def test_add_rmsnorm_quantize_in_one_kernel(cuda_backend, synth, fmt, n):
+    """add then rmsnorm (held-back add fused into the norm), with the next matmul's int8
+    activations made by the norm kernel when the format is known; the matmul after it, the
+    sum and the norm are bit-identical to the unfused kernels."""
+    fused, plain = _backends()
+    k, rows = 4096, 40
+    rng = np.random.default_rng(n)
+    a, d = (rng.standard_normal((2, n, k)) * 3).astype(np.float32)
+    g = rng.standard_normal(k).astype(np.float32)
+    t = {None: T.Q4_K, T.Q8_K: T.Q4_K, T.Q8_0: T.Q8_0}[fmt]
+    (_, _, raw), = _weights(synth, [(t, rows)], k, 5)
+    res = []
+    for b in (fused, plain):
+        w, gw = b.matrix(raw, t, (rows, k), "w"), b.from_numpy(g)
+        if fmt is not None and b is fused:
+            b._norm_keys[gw.ptr] = (w.vec_dot_type, w.has_min, True)
+        b.k.profile = []
+        s = b.add(b.from_numpy(a), b.from_numpy(d))
+        h = b.rmsnorm(s, gw, 1e-5)
+        y = b.matmul(w, h)
+        names = [name for name, *_ in b.k.profile]
+        b.k.profile = None
+        res.append([b.to_numpy(s), b.to_numpy(h), b.to_numpy(y)])
+        if b is fused:
+            assert names[0] == "add_rmsnorm_quanti" and "add" not in names, names
+            quantized_by_norm = not any(x.startswith("quanti") for x in names)
+            assert quantized_by_norm == (fmt is not None), names
+    for got, want, what in zip(*res, ("sum", "rmsnorm", "matmul")):
+        assert np.array_equal(got, want), what
+    assert np.array_equal(res[0][0], a + d)
+    assert _rel(res[0][1], NumpyBackend().rmsnorm(a + d, g, 1e-5)) < 1e-6
+
+
+CASES = [("tiny", "q8_0", 4), ("tiny", "q4_k_m", 4), ("smollm2-135m", "q4_1", 3)]
+
+
+@pytest.mark.parametrize("shape,mix,layers", CASES, ids=[f"{s}-{m}" for s, m, _ in CASES])
+def test_fused_model_logits_equal_unfused(cuda_backend, synth, tmp_path, shape, mix, layers):
+    """Prefill, decode steps and the CUDA graph: the fused backend gives the unfused one's logits
+    bit for bit (so the numpy comparison of test_engine_gpu.py holds for both)."""
+    from ntx_engine.backends.cuda_backend import CudaBackend
+    from ntx_engine.backends.cuda_graph import DecodeGraph
+    from ntx_engine.gguf import GGUFFile
+    from ntx_engine.model import Transformer, WeightLoader
+
+    path = tmp_path / f"{shape}-{mix}.gguf"
+    synth.write_model(path, shape, mix, layers, seed=4)
+    gf = GGUFFile.open(path)
+    cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
+    prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, 11)
+    runs = []
+    for fuse, graph in (("all", False), ("none", False), ("all", True)):
+        b = CudaBackend(fuse=fuse)
+        model = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 64)
+        fwd = DecodeGraph(model).forward if graph else model.forward
+        logits = [model.forward(prompt, 0, all_logits=True)]
+        tok = int(np.argmax(logits[0][-1]))
+        for i in range(6):
+            logits.append(fwd(np.asarray([tok]), len(prompt) + i))
+            tok = int(np.argmax(logits[-1][-1]))
+        runs.append(logits)
+    for i, (f, u, g) in enumerate(zip(*runs)):
+        assert np.array_equal(f, u), f"step {i}: fused logits differ from unfused (max {np.abs(f - u).max()})"
+        assert np.array_equal(f, g), f"step {i}: fused graph logits differ from fused plain"
