@@ -32,3 +32,68 @@ def test_bench_variants():
     assert be.parse_variant("staged/single/fuse=qkv+ffn") == ("staged", "single", False, "qkv,ffn", False)
     with pytest.raises(argparse.ArgumentTypeError):
         be.parse_variant("fast/split/turbo")
+
+
+class _UnfusedTransformer:
+    """The op sequence of Transformer.attention/ffn before the fused ops (the reference)."""
+
+    @staticmethod
+    def attention(self, i, lw, x, pos, start):
+        c, b = self.cfg, self.backend
+        h = b.rmsnorm(x, lw.attn_norm, c.rms_eps)
+        q, k, v = b.matmul(lw.wq, h), b.matmul(lw.wk, h), b.matmul(lw.wv, h)
+        q, k = b.rope(q, pos, c.n_head), b.rope(k, pos, c.n_head_kv)
+        return b.add(x, b.matmul(lw.wo, b.attention(q, k, v, i, start)))
+
+    @staticmethod
+    def ffn(self, i, lw, h):
+        b = self.backend
+        return b.matmul(lw.w_down, b.swiglu(b.matmul(lw.w_gate, h), b.matmul(lw.w_up, h)))
+
+
+class _RowWrapper:
+    """A backend wrapper that forwards everything but matmul (as speculative.RowExact does)."""
+
+    def __init__(self, backend):
+        self.backend, self.calls = backend, 0
+
+    def matmul(self, w, x):
+        self.calls += 1
+        return self.backend.matmul(w, x)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+def test_numpy_model_unchanged_by_the_fused_ops(synth, tmp_path):
+    """The model now calls matmul_many / matmul_swiglu / rope_attention: on the numpy backend (the
+    oracle) its logits are bit-identical to the old op sequence, and a forwarding wrapper's own
+    matmul still sees every product (the class-level lookup in base.py)."""
+    import numpy as np
+
+    from ntx_engine.backends.numpy_backend import NumpyBackend
+    from ntx_engine.config import ModelConfig
+    from ntx_engine.gguf import GGUFFile
+    from ntx_engine.model import Transformer, WeightLoader
+
+    path = tmp_path / "tiny.gguf"
+    synth.write_model(path, "tiny", "q8_0", 2, seed=1)
+    gf = GGUFFile.open(path)
+    cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 7)
+
+    def model():
+        b = NumpyBackend()
+        return Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 32)
+
+    fused = model()
+    got = [fused.forward(ids, 0, all_logits=True), fused.forward(ids[:1], 7)]
+    old = model()
+    old.attention = _UnfusedTransformer.attention.__get__(old)
+    old.ffn = _UnfusedTransformer.ffn.__get__(old)
+    want = [old.forward(ids, 0, all_logits=True), old.forward(ids[:1], 7)]
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))
+    wrapped = model()
+    wrapped.backend = _RowWrapper(wrapped.backend)
+    assert np.array_equal(wrapped.forward(ids, 0, all_logits=True), want[0])
+    assert wrapped.backend.calls == 7 * cfg.n_layers + 1
