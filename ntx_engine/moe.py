@@ -185,6 +185,13 @@ class MoeWeightLoader(WeightLoader):
             k_norm=self.vector(p + "attn_k_norm.weight", c.head_dim) if c.qk_norm else None,
         )
 
+    def matrix_specs(self, i: int) -> dict:
+        """The streaming tiers build a streamed layer from its 2-D matrices; MoE layers have 3-D
+        expert tensors that need per-expert reads (docs/moe.md), which the tiers do not do yet."""
+        raise ModelError(f"{self.gf.path}: layer {i} of this mixture-of-experts model would have to stream or "
+                         "run on the CPU tier, which MoE layers do not support yet; give a VRAM budget "
+                         "that holds every layer (--vram-budget)")
+
     def _gate_row(self, name: str) -> Any:
         """The shared expert's gate, a 1-D (n_embd,) tensor, as a (1, n_embd) matrix: llama.cpp
         multiplies it like one."""

@@ -260,6 +260,14 @@ def test_old_per_expert_layout_is_refused(tmp_path):
         _load(_small_moe(tmp_path / "old.gguf", old_layout=True))
 
 
+def test_streaming_a_moe_layer_is_refused_clearly(tmp_path):
+    """The tiers build streamed layers from matrix_specs; MoE layers cannot stream yet."""
+    gf = _small_moe(tmp_path / "ok.gguf")
+    loader = MoeWeightLoader(gf, ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors)), make_backend("cpu"))
+    with pytest.raises(ModelError, match="VRAM budget"):
+        loader.matrix_specs(0)
+
+
 def test_qwen3moe_without_experts_is_refused(oracle_manifest):
     gf = GGUFFile.open(oracle_manifest["models"]["tiny-qwen3moe-Q8_0"])
     meta = {k: v for k, v in gf.metadata.items() if k != "qwen3moe.expert_count"}
