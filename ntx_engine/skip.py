@@ -270,5 +270,17 @@ def plan_for(engine: Any, threshold: float | None = None, count: int | None = No
     if profile.n_layers != n:
         raise ModelError(f"the skip profile of {path.name} has {profile.n_layers} layers, the model {n}; calibrate again")
     if streamed is None:
-        streamed = frozenset(getattr(engine, "streamed_layers", ()) or ())
+        streamed = streamed_layers(engine)
     return SkipPlan(n, choose_skip(profile, threshold, count), frozenset(streamed))
+
+
+def streamed_layers(engine: Any) -> frozenset[int]:
+    """Layers whose bytes cross a link every token: `engine.streamed_layers` when set, else the
+    tier plan's RAM- and storage-tier layers (none when the model has no plan)."""
+    explicit = getattr(engine, "streamed_layers", None)
+    if explicit is not None:
+        return frozenset(explicit)
+    plan = getattr(engine.model, "plan", None)
+    if plan is None or not hasattr(plan, "tier_of"):
+        return frozenset()
+    return frozenset(i for i in range(engine.config.n_layers) if plan.tier_of(i) in ("ram", "storage"))

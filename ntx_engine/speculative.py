@@ -391,17 +391,26 @@ def parse_k(text: str) -> int | AutoK:
     return k
 
 
+def default_draft_layers(engine: Any) -> list[int]:
+    """The VRAM-resident layers when the tier plan streams some (the draft then reads nothing
+    over a link), else every layer."""
+    plan = getattr(engine.model, "plan", None)
+    if plan is not None and getattr(plan, "streamed", False):
+        return list(plan.layers_in("vram"))
+    return list(range(engine.config.n_layers))
+
+
 def speculator_for(engine: Any, k_text: str, draft_engine: Any | None = None, draft_layers: Sequence[int] | None = None,
                    skipped: Sequence[int] = ()) -> Speculator:
     """A separate draft model when given; else self-speculation over `draft_layers` (default:
-    every layer not in `skipped`) — the lead's planner passes the VRAM-resident layers here."""
+    `default_draft_layers`) minus `skipped`."""
     k = parse_k(k_text)
     if draft_engine is not None:
         return Speculator(engine, ModelDraft(draft_engine, engine), k, {"draft": str(draft_engine.gguf.path)})
-    n = engine.config.n_layers
-    layers = list(range(n)) if draft_layers is None else list(draft_layers)
+    layers = default_draft_layers(engine) if draft_layers is None else list(draft_layers)
     layers = [i for i in layers if i not in set(skipped)]
     if not layers:
-        raise UsageError("the self-speculative draft has no layers left (all drafted layers are skipped)")
+        raise UsageError("the self-speculative draft has no layers (none VRAM-resident, or all skipped): "
+                         "give --draft-layers N or --draft-model PATH")
     return Speculator(engine, LayerDraft(engine.model, layers), k,
                       {"draft": "self", "draft_layers": layers, "draft_layer_count": len(layers)})

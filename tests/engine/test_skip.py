@@ -214,3 +214,13 @@ def test_cli_skip_reports_layers_and_split(linked_model, calibrated):
     want = [i for i in range(8, 22) if sims[i] > 0.97]
     assert out["skip"] == {"skipped_layers": want, "skipped_streamed": 0, "skipped_resident": len(want)}
     assert len(out["tokens"]) == 4
+
+
+def test_streamed_layers_come_from_the_tier_plan():
+    tiers = ["vram"] * 4 + ["cpu"] * 2 + ["ram"] * 3 + ["storage"] * 3
+    plan = SimpleNamespace(tier_of=lambda i: tiers[i])
+    eng = SimpleNamespace(model=SimpleNamespace(plan=plan), config=SimpleNamespace(n_layers=12))
+    assert skip.streamed_layers(eng) == frozenset(range(6, 12))
+    eng.streamed_layers = {1, 2}  # the pipeline's own set wins
+    assert skip.streamed_layers(eng) == frozenset({1, 2})
+    assert skip.streamed_layers(SimpleNamespace(model=SimpleNamespace(), config=eng.config)) == frozenset()

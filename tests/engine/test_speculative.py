@@ -299,3 +299,14 @@ def test_cli_speculate_json(eng, plain):
 def test_cli_draft_options_need_speculate(eng):
     res = CliRunner().invoke(app, ["hi", "--device", "cpu", "--draft-layers", "4", "-m", str(eng.gguf.path)], env=ENV)
     assert isinstance(res.exception, UsageError) and "--speculate" in str(res.exception)
+
+
+def test_default_draft_is_the_vram_resident_layers(eng):
+    """With a tier plan that streams, the self-speculative draft defaults to the VRAM layers."""
+    tiers = ["vram"] * 10 + ["ram"] * 12 + ["storage"] * 8
+    plan = SimpleNamespace(streamed=True, layers_in=lambda t: [i for i, x in enumerate(tiers) if x == t])
+    fake = SimpleNamespace(model=SimpleNamespace(plan=plan), config=eng.config)
+    assert S.default_draft_layers(fake) == list(range(10))
+    assert S.default_draft_layers(SimpleNamespace(model=SimpleNamespace(), config=eng.config)) == list(range(30))
+    spec = S.speculator_for(eng, "2", skipped=(3, 4))
+    assert spec.draft_desc["draft_layers"] == [i for i in range(30) if i not in (3, 4)]
