@@ -3,7 +3,7 @@ docs/speculative.md.
 
     python scripts/bench_speculative.py skip  [--model M] [--device cpu] [--ppl-tokens 2048]
     python scripts/bench_speculative.py spec  [--model M] [--device cpu|cuda] [-n 32] [--k 2,4]
-           [--draft-layers 24,all] [--skip 0,4] [--draft-model D] [--streamed 0-29]
+           [--draft-layers 24,all,resident] [--skip 0,4] [--draft-model D] [--vram-budget 24G]
 
 `skip`: threshold -> layers skipped -> perplexity -> top-1 agreement -> decode tok/s, on the
 shipped text tests/data/python_reference.txt (the first --ppl-tokens tokens, windows of 512).
@@ -35,8 +35,11 @@ THRESHOLDS = (1.0, 0.972, 0.970, 0.965, 0.960, 0.955, 0.950, 0.0)
 
 def _engine(args):
     from ntx_engine.engine import Engine, EngineConfig
+    from ntx_engine.planner import parse_size
 
-    return Engine.load(args.model, EngineConfig(device=args.device, n_ctx=args.ctx))
+    budgets = {k: parse_size(v, "--" + k.replace("_", "-")) for k, v in
+               (("vram_budget", args.vram_budget), ("ram_budget", args.ram_budget)) if v is not None}
+    return Engine.load(args.model, EngineConfig(device=args.device, n_ctx=args.ctx, **budgets))
 
 
 def _profile(eng):
@@ -75,8 +78,10 @@ def bench_skip(args) -> list[dict]:
     window = min(512, eng.model.n_ctx)
     full = perplexity.evaluate(eng.model, ids, window) if args.ppl_tokens else None
     rows, seen = [], set()
-    for t in THRESHOLDS:
-        plan = skip.SkipPlan(eng.config.n_layers, skip.choose_skip(prof, threshold=t))
+    choices = ([("count", int(c)) for c in args.skip_counts.split(",")] if args.skip_counts
+               else [("threshold", t) for t in THRESHOLDS])
+    for how, t in choices:
+        plan = skip.SkipPlan(eng.config.n_layers, skip.choose_skip(prof, **{how: t}))
         if plan.skipped in seen:
             continue
         seen.add(plan.skipped)
@@ -85,15 +90,19 @@ def bench_skip(args) -> list[dict]:
         _, tok_s = _decode_tok_s(eng, eng.generate, args.n, args.repeat)
         q = {} if res is None else {"perplexity": round(res.perplexity, 3), "ppl_tokens": res.scored,
                                     "top1_agreement": round(res.agreement(full), 4)}
-        rows.append({"threshold": t, "skipped": len(plan.skipped), "layers": list(plan.skipped), **q,
+        rows.append({how: t, "skipped": len(plan.skipped), "layers": list(plan.skipped), **q,
                      "decode_tok_s": round(tok_s, 2)})
         print(rows[-1], flush=True)
     skip.apply_skip(eng, skip.SkipPlan(eng.config.n_layers))
     return rows
 
 
-def _draft_layers(spec: str, n: int) -> list[int]:
-    return list(range(n)) if spec == "all" else list(range(int(spec)))
+def _draft_layers(spec: str, eng) -> list[int]:
+    from ntx_engine import speculative as S
+
+    if spec == "resident":  # the VRAM-resident layers of the tier plan (all, when nothing streams)
+        return S.default_draft_layers(eng)
+    return list(range(eng.config.n_layers)) if spec == "all" else list(range(int(spec)))
 
 
 def bench_spec(args) -> list[dict]:
@@ -126,7 +135,7 @@ def bench_spec(args) -> list[dict]:
 def _spec_row(eng, draft_eng, dl, skipped, k, exact, want, plain_tok_s, args) -> dict:
     from ntx_engine import speculative as S
 
-    layers = [i for i in _draft_layers(dl, eng.config.n_layers) if i not in set(skipped)]
+    layers = [i for i in _draft_layers(dl, eng) if i not in set(skipped)]
     draft = S.ModelDraft(draft_eng, eng) if draft_eng is not None else S.LayerDraft(eng.model, layers)
     sp = S.SpecStats()
     tgt = S.Target(eng, row_exact=exact)
@@ -159,9 +168,12 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("-n", type=int, default=32, help="tokens generated per prompt")
     ap.add_argument("--ppl-tokens", type=int, default=2048, help="0: speed only")
+    ap.add_argument("--skip-counts", default=None, help="skip mode: skip these layer counts instead of the thresholds")
     ap.add_argument("--repeat", type=int, default=1, help="decode timings: best of this many runs")
     ap.add_argument("--k", default="2,4")
-    ap.add_argument("--draft-layers", default="24,all", help="comma list of first-N counts or 'all'")
+    ap.add_argument("--draft-layers", default="24,all", help="comma list of first-N counts, 'all' or 'resident'")
+    ap.add_argument("--vram-budget", default=None, help="e.g. 24G: the tier planner streams what does not fit")
+    ap.add_argument("--ram-budget", default=None)
     ap.add_argument("--skip", default="0,4", help="comma list: layers skipped in the draft (most similar first)")
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--batched", action="store_true", help="numpy: also time the batched (not row-exact) verify")
