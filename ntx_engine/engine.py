@@ -39,6 +39,9 @@ class EngineConfig:
     tiers: str = "auto"  # "mmap-baseline": the naive synchronous mode benchmarks compare against
     n_slots: int | None = None  # VRAM ring slots for streamed layers (None: the planner's default)
     links: Links | None = None  # measured bandwidths; None = measure (cached in ~/.cache/ntx)
+    # backend computing CPU-tier layers (hybrid): None = auto (native CPU kernels next to a GPU),
+    # "none" = never, or a device name ("cpu", "numpy")
+    host_device: str | None = None
 
     def __post_init__(self) -> None:
         if self.storage not in ("auto", "direct", "mmap", "vfio"):
@@ -99,7 +102,8 @@ class Engine:
         with open_model(path) as gf:
             cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
             backend = make_backend(device, matmul_mode=ecfg.matmul_mode, kv_dtype=ecfg.kv_dtype)
-            return tiers.plan_for(gf, cfg, backend, ecfg, min(ecfg.n_ctx, cfg.context_length), measure_links=True)
+            return tiers.plan_for(gf, cfg, backend, ecfg, min(ecfg.n_ctx, cfg.context_length), measure_links=True,
+                                  host=tiers.host_backend(backend, ecfg))
 
     def plan(self):
         """The placement this engine runs with (`planner.Plan`: tiers, bytes, predicted speed)."""
@@ -266,10 +270,20 @@ def load_model(gf: GGUFFile, cfg: ModelConfig, backend, ecfg: EngineConfig,
     loader_cls, model_cls = model_classes(cfg)  # moe.py's pair when the file has experts
     loader = loader_cls(gf, cfg, backend)
     n_ctx = min(ecfg.n_ctx, cfg.context_length)
-    plan = tiers.plan_for(gf, cfg, backend, ecfg, n_ctx)
-    weights, source = tiers.build(gf, loader, tiers.spans_of(gf, cfg), plan, mode=ecfg.tiers, progress=progress)
+    host = tiers.host_backend(backend, ecfg)
+    plan = tiers.plan_for(gf, cfg, backend, ecfg, n_ctx, host=host)
+    cpu_layers = plan.layers_in("cpu")
+    if host is not None and not cpu_layers:
+        getattr(host, "close", lambda: None)()
+        host = None
+    weights, source = tiers.build(gf, loader, tiers.spans_of(gf, cfg), plan, mode=ecfg.tiers, host=host,
+                                  progress=progress)
     model = model_cls(cfg, weights, backend, n_ctx)
     model.source, model.plan = source, plan
+    if cpu_layers:  # hybrid: these layers run on the host backend (hybrid.py)
+        from ntx_engine.hybrid import HostLayers
+
+        model.host_layers = HostLayers(model, host, cpu_layers)
     if backend.name == "cuda" and not plan.streamed:  # one CUDA graph per decode step
         from ntx_engine.backends.cuda_graph import DecodeGraph
 

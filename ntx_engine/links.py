@@ -4,8 +4,10 @@ memory, and the storage reader on the model's filesystem."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -80,18 +82,86 @@ def storage_bps(reader: Any, nbytes: int = STORAGE_PROBE) -> float:
     return count * piece / (time.perf_counter() - t0)
 
 
-def measure(backend: Any, gf: Any, storage: str = "auto", *, use_cache: bool = True) -> Links:
+def cpu_bps(backend: Any, host: Any, gf: Any, seconds: float = 0.6) -> float:
+    """The host kernels' weight-read rate on this model's largest layer-0 matrix, measured while
+    host-to-device copies run (they share DRAM: the concurrent figure is the one that holds)."""
+    infos = [t for n, t in gf.tensors.items() if n.startswith("blk.0.") and len(t.shape) == 2]
+    if not infos:
+        return 0.0
+    info = max(infos, key=lambda t: t.nbytes)
+    raw = np.array(gf.tensor_data(info.name), np.uint8)
+    w = host.matrix(raw, info.ggml_type, tuple(info.shape), info.name)
+    x = np.random.default_rng(0).standard_normal((1, info.shape[1])).astype(np.float32)
+    stop = threading.Event()
+    copier = threading.Thread(target=_copy_loop, args=(backend, stop), daemon=True) if backend.name == "cuda" else None
+    if copier:
+        copier.start()
+    try:
+        host.matmul(w, x)  # warm: thread pool, caches
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            host.matmul(w, x)
+            n += 1
+        return n * raw.nbytes / (time.perf_counter() - t0)
+    finally:
+        stop.set()
+        if copier:
+            copier.join()
+
+
+def _copy_loop(backend: Any, stop: threading.Event, nbytes: int = 256 << 20) -> None:
+    from ntx_engine.backends.cuda_driver import DeviceArray, Stream, check, driver
+    from ntx_engine.backends.host_memory import host_buffer, host_view
+
+    drv = driver()
+    check(drv.cuCtxSetCurrent(backend.device.context), "cuCtxSetCurrent(copy probe)")
+    dev, s = DeviceArray(backend.pool, (nbytes,), np.uint8), Stream()
+    buf = host_buffer(nbytes, cuda=True, device=backend.device.ordinal)
+    host = host_view(buf)
+    while not stop.is_set():
+        check(drv.cuMemcpyHtoDAsync(dev.ptr, host.ctypes.data, nbytes, s.handle), "cuMemcpyHtoDAsync")
+        s.synchronize()
+    del host
+    buf.close()
+
+
+def measure(backend: Any, gf: Any, storage: str = "auto", *, use_cache: bool = True, host: Any = None) -> Links:
     """The links for this backend and the storage `gf` (a GGUFFile, or a path) lives on, from
-    the cache when present."""
-    from ntx_io.reader import open_reader
+    the cache when present; with a `host` backend also its CPU compute rate on this model."""
 
     reader = getattr(gf, "reader", None)
     path = getattr(gf, "path", gf)
     where = reader.source if reader is not None else f"dev{os.stat(path).st_dev}"
     key = f"v{CACHE_VERSION}|{backend.name}:{getattr(getattr(backend, 'device', None), 'name', 'host')}|{where}|{storage}"
-    cached = _load_cache().get(key) if use_cache else None
+    data = _load_cache() if use_cache else {}
+    cached = data.get(key)
+    cpu_key = _cpu_key(host, gf) if host is not None else None
     if cached:
-        return Links(**{**cached, "source": f"cached in {CACHE}"})
+        links = Links(**{**cached, "source": f"cached in {CACHE}"})
+    else:
+        links = _measure_links(backend, path, reader, storage)
+        _save_cache(key, {"vram": links.vram, "h2d": links.h2d, "storage": links.storage,
+                          "storage_kind": links.storage_kind})
+    if host is None:
+        return links
+    cpu = data.get(cpu_key, {}).get("cpu")
+    if cpu is None:
+        cpu = cpu_bps(backend, host, gf)
+        _save_cache(cpu_key, {"cpu": cpu})
+    return dataclasses.replace(links, cpu=cpu)
+
+
+def _cpu_key(host: Any, gf: Any) -> str:
+    infos = [t for n, t in getattr(gf, "tensors", {}).items() if n.startswith("blk.0.") and len(t.shape) == 2]
+    kind = max(infos, key=lambda t: t.nbytes) if infos else None
+    what = f"{int(kind.ggml_type)}x{tuple(kind.shape)}" if kind else "none"
+    threads = getattr(getattr(host, "kernels", None), "threads", "?")
+    return f"v{CACHE_VERSION}|cpu:{host.name}:{threads}|{what}"
+
+
+def _measure_links(backend: Any, path: Any, reader: Any, storage: str) -> Links:
+    from ntx_io.reader import open_reader
+
     if backend.name == "cuda":
         vram, h2d = cuda_links(backend)
     else:
@@ -106,9 +176,7 @@ def measure(backend: Any, gf: Any, storage: str = "auto", *, use_cache: bool = T
     finally:
         if own:
             reader.close()
-    links = Links(vram=vram, h2d=h2d, storage=sto, storage_kind=reader.name, source="measured")
-    _save_cache(key, links)
-    return links
+    return Links(vram=vram, h2d=h2d, storage=sto, storage_kind=reader.name, source="measured")
 
 
 def _load_cache() -> dict:
@@ -118,9 +186,9 @@ def _load_cache() -> dict:
         return {}
 
 
-def _save_cache(key: str, links: Links) -> None:
+def _save_cache(key: str, entry: dict) -> None:
     data = _load_cache()
-    data[key] = {"vram": links.vram, "h2d": links.h2d, "storage": links.storage, "storage_kind": links.storage_kind}
+    data[key] = entry
     try:
         CACHE.parent.mkdir(parents=True, exist_ok=True)
         CACHE.write_text(json.dumps(data, indent=1))

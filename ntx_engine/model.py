@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ntx_common.errors import ModelError
+from ntx_engine.backends import base as ops
 from ntx_engine.backends.base import Backend
 from ntx_engine.config import ModelConfig
 
@@ -61,36 +62,51 @@ class WeightLoader:
             raise ModelError(f"{self.gf.path}: tensor {name!r} has shape {tuple(info.shape)}, expected {shape}")
         return info
 
-    def layer(self, i: int) -> LayerWeights:
+    def matrix_specs(self, i: int) -> dict[str, tuple[str, int, tuple[int, int]]]:
+        """Layer i's 2-D weights: LayerWeights field -> (tensor name, ggml type, (rows, k)), checked."""
         c, p = self.cfg, f"blk.{i}."
-        return LayerWeights(
-            attn_norm=self.vector(p + "attn_norm.weight", c.n_embd),
-            wq=self.matrix(p + "attn_q.weight", c.q_dim, c.n_embd),
-            wk=self.matrix(p + "attn_k.weight", c.kv_dim, c.n_embd),
-            wv=self.matrix(p + "attn_v.weight", c.kv_dim, c.n_embd),
-            wo=self.matrix(p + "attn_output.weight", c.n_embd, c.q_dim),
-            ffn_norm=self.vector(p + "ffn_norm.weight", c.n_embd),
-            w_gate=self.matrix(p + "ffn_gate.weight", c.n_ff, c.n_embd),
-            w_up=self.matrix(p + "ffn_up.weight", c.n_ff, c.n_embd),
-            w_down=self.matrix(p + "ffn_down.weight", c.n_embd, c.n_ff),
-            bq=self.vector(p + "attn_q.bias", c.q_dim, optional=True),
-            bk=self.vector(p + "attn_k.bias", c.kv_dim, optional=True),
-            bv=self.vector(p + "attn_v.bias", c.kv_dim, optional=True),
-        )
+        shapes = {"wq": ("attn_q", c.q_dim, c.n_embd), "wk": ("attn_k", c.kv_dim, c.n_embd),
+                  "wv": ("attn_v", c.kv_dim, c.n_embd), "wo": ("attn_output", c.n_embd, c.q_dim),
+                  "w_gate": ("ffn_gate", c.n_ff, c.n_embd), "w_up": ("ffn_up", c.n_ff, c.n_embd),
+                  "w_down": ("ffn_down", c.n_embd, c.n_ff)}
+        out = {}
+        for field, (short, rows, cols) in shapes.items():
+            name = f"{p}{short}.weight"
+            out[field] = (name, int(self._info(name, (rows, cols)).ggml_type), (rows, cols))
+        return out
 
-    def load(self, progress: Callable[[int, int], None] | None = None) -> ModelWeights:
+    def layer_vectors(self, i: int) -> dict[str, Any]:
+        """Layer i's 1-D weights (norm gains, qwen2 biases): small, kept resident even when the
+        layer streams."""
+        c, p = self.cfg, f"blk.{i}."
+        return dict(attn_norm=self.vector(p + "attn_norm.weight", c.n_embd),
+                    ffn_norm=self.vector(p + "ffn_norm.weight", c.n_embd),
+                    bq=self.vector(p + "attn_q.bias", c.q_dim, optional=True),
+                    bk=self.vector(p + "attn_k.bias", c.kv_dim, optional=True),
+                    bv=self.vector(p + "attn_v.bias", c.kv_dim, optional=True))
+
+    def layer(self, i: int) -> LayerWeights:
+        mats = {f: self.backend.matrix(self.gf.tensor_data(name), t, shape, name)
+                for f, (name, t, shape) in self.matrix_specs(i).items()}
+        return LayerWeights(**mats, **self.layer_vectors(i))
+
+    def load(self, progress: Callable[[int, int], None] | None = None,
+             layers: Sequence[int] | None = None) -> ModelWeights:
+        """Embeddings, head and the blocks in `layers` (default all); other blocks are None
+        (the streaming pipeline builds them in its slots)."""
         c = self.cfg
         tok_embd = self.matrix("token_embd.weight", c.vocab_size, c.n_embd)
         output = tok_embd if c.tied_embeddings else self.matrix("output.weight", c.vocab_size, c.n_embd)
-        layers = []
+        wanted = set(range(c.n_layers) if layers is None else layers)
+        out: list[LayerWeights | None] = []
         for i in range(c.n_layers):
-            layers.append(self.layer(i))
+            out.append(self.layer(i) if i in wanted else None)
             if progress:
                 progress(i + 1, c.n_layers)
         freqs = None
         if c.has_rope_freqs:
             freqs = self.backend.to_numpy(self.vector("rope_freqs.weight", c.rope_dim // 2))
-        return ModelWeights(tok_embd, self.vector("output_norm.weight", c.n_embd), output, layers, freqs)
+        return ModelWeights(tok_embd, self.vector("output_norm.weight", c.n_embd), output, out, freqs)
 
 
 class ResidentLayers:
@@ -130,10 +146,18 @@ class Transformer:
         for i in range(self.cfg.n_layers) if layers is None else layers:
             lw = self.source.acquire(i)
             try:
-                x = self.block(i, lw, x, pos, start)
+                x = self.run_layer(i, lw, x, pos, start)
             finally:
                 self.source.release(i)
-        return self.head(x, all_logits)
+        return self.head(self.settle(x), all_logits)
+
+    # hooks: hybrid.HostLayers runs some layers on a host backend (x then lives in host memory)
+    def run_layer(self, i: int, lw: LayerWeights, x: Any, pos: np.ndarray, start: int) -> Any:
+        return self.block(i, lw, x, pos, start)
+
+    def settle(self, x: Any) -> Any:
+        """x back on this model's backend after the last layer."""
+        return x
 
     def block(self, i: int, lw: LayerWeights, x: Any, pos: np.ndarray, start: int) -> Any:
         """One transformer layer: x + attention(norm(x)), then + ffn(norm(x))."""
@@ -143,16 +167,15 @@ class Transformer:
     def attention(self, i: int, lw: LayerWeights, x: Any, pos: np.ndarray, start: int) -> Any:
         c, b = self.cfg, self.backend
         h = b.rmsnorm(x, lw.attn_norm, c.rms_eps)
-        q, k, v = b.matmul(lw.wq, h), b.matmul(lw.wk, h), b.matmul(lw.wv, h)
+        q, k, v = ops.matmul_many(b, (lw.wq, lw.wk, lw.wv), h)  # fused ops: backends/base.py
         if lw.bq is not None:
             q, k, v = b.add(q, lw.bq), b.add(k, lw.bk), b.add(v, lw.bv)
-        q, k = b.rope(q, pos, c.n_head), b.rope(k, pos, c.n_head_kv)
-        return b.add(x, b.matmul(lw.wo, b.attention(q, k, v, i, start)))
+        return b.add(x, b.matmul(lw.wo, ops.rope_attention(b, c, q, k, v, pos, i, start)))
 
     def ffn(self, i: int, lw: LayerWeights, h: Any) -> Any:
         """The feed-forward of layer i on the normalized h (SwiGLU); MoE layers override this."""
         b = self.backend
-        return b.matmul(lw.w_down, b.swiglu(b.matmul(lw.w_gate, h), b.matmul(lw.w_up, h)))
+        return b.matmul(lw.w_down, ops.matmul_swiglu(b, lw.w_gate, lw.w_up, h))
 
     def head(self, x: Any, all_logits: bool) -> np.ndarray:
         b = self.backend

@@ -28,6 +28,7 @@ from ntx_engine.layout import LayerSpan
 
 STALL_S = 120.0  # no progress for this long = the pipeline is stuck (dead disk, lost GPU)
 IO_ALIGN = 4096  # O_DIRECT and NVMe reads start and end on this boundary
+STREAMED = ("ram", "storage")  # tiers whose layers pass through the slot ring
 READ_DEPTH = 2  # layer reads in flight at once (each cut into the reader's own requests)
 
 
@@ -36,7 +37,7 @@ class PipelineStats:
     """Counters since the last `reset`; the engine reports them per run."""
 
     passes: int = 0
-    bytes: dict = field(default_factory=lambda: {"vram": 0, "ram": 0, "storage": 0})
+    bytes: dict = field(default_factory=lambda: {"vram": 0, "ram": 0, "storage": 0, "cpu": 0})
     io_s: float = 0.0  # reader thread busy reading
     wait_s: float = 0.0  # caller blocked waiting for a layer to be enqueued
     timeline: list = field(default_factory=list)  # last pass: {layer, kind, start_s, end_s}
@@ -65,10 +66,14 @@ class StreamingLayers:
         self.set_active(range(len(spans)))
 
     # --- configuration -------------------------------------------------------------------
-    def set_active(self, layers) -> None:
-        """The layers a forward pass runs (skip drops streamed layers: they are then not read)."""
+    def set_active(self, layers, *, stream_cpu: bool = False) -> None:
+        """The layers a forward pass runs (skip drops streamed layers: they are then not read).
+        stream_cpu: CPU-tier layers stream to the GPU too (a long prefill is faster there)."""
         self.stop()
-        self.schedule = [i for i in layers if self.tiers[i] != "vram"]
+        self.active, self.stream_cpu = list(layers), stream_cpu
+        if not stream_cpu:
+            self.active_default = self.active  # what a long pass restores afterwards
+        self.schedule = [i for i in self.active if self._streams(i)]
         self._storage_schedule = [i for i in self.schedule if self.tiers[i] == "storage"]
         self._loaded = self._released = self._read = 0  # loads enqueued / released; storage reads done
         self._next = 0  # the next load the caller will acquire
@@ -112,11 +117,14 @@ class StreamingLayers:
             self.owned_reader = None
             owned.close()
 
+    def _streams(self, i: int) -> bool:
+        return self.tiers[i] in STREAMED or (self.stream_cpu and self.tiers[i] == "cpu")
+
     # --- the caller's side (Transformer.forward) -----------------------------------------
     def acquire(self, i: int) -> Any:
         tier = self.tiers[i]
-        if tier == "vram":
-            self.stats.bytes["vram"] += self.spans[i].nbytes
+        if not self._streams(i):  # VRAM-resident, or computed on the CPU from pinned RAM
+            self.stats.bytes[tier] += self.spans[i].nbytes
             return self.resident[i]
         k = self._next
         expected = self.schedule[k % len(self.schedule)] if self.schedule else None
@@ -133,7 +141,7 @@ class StreamingLayers:
         return self.make_weights(i, self.ring.slot_view(slot, self.spans[i].nbytes))
 
     def release(self, i: int) -> None:
-        if self.tiers[i] == "vram":
+        if not self._streams(i):
             return
         slot = self._next % self.ring.n_slots
         self.ring.after_compute(slot)

@@ -20,7 +20,7 @@ from ntx_common.errors import UsageError
 from ntx_engine.config import ModelConfig
 from ntx_engine.layout import LayerSpan
 
-TIERS = ("vram", "ram", "storage")
+TIERS = ("vram", "ram", "storage", "cpu")  # cpu: computed on the host from pinned RAM (hybrid)
 GiB = 1 << 30
 MiB = 1 << 20
 MIN_SLOTS = 2  # one slot being computed while the next is copied
@@ -65,11 +65,14 @@ class Links:
     storage: float
     storage_kind: str = "direct"
     source: str = "measured"
+    cpu: float = 0.0  # host kernels' weight-read rate while H2D copies run (0: no CPU-computed layers)
 
     def __post_init__(self) -> None:
         for name in ("vram", "h2d", "storage"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"link bandwidth {name} must be positive, got {getattr(self, name)}")
+        if self.cpu < 0:
+            raise ValueError(f"cpu compute rate must be >= 0, got {self.cpu}")
 
 
 @dataclass(frozen=True)
@@ -135,10 +138,12 @@ class Plan:
 
     @property
     def terms(self) -> dict[str, float]:
-        """Seconds per token each link needs (the bound is the largest)."""
+        """Seconds per token each link needs (the bound is the largest). Compute is sequential
+        across layers: the GPU's weight reads plus the CPU-computed layers' reads add up."""
         b = self.bytes_per_tier
-        total = sum(b.values()) + self.head_bytes
-        return {"vram": total / self.links.vram, "h2d": (b["ram"] + b["storage"]) / self.links.h2d,
+        gpu = sum(b.values()) - b["cpu"] + self.head_bytes
+        compute = gpu / self.links.vram + (b["cpu"] / self.links.cpu if b["cpu"] else 0.0)
+        return {"compute": compute, "h2d": (b["ram"] + b["storage"]) / self.links.h2d,
                 "storage": b["storage"] / self.links.storage}
 
     @property
@@ -162,7 +167,7 @@ class Plan:
             "n_slots": self.n_slots, "slot_bytes": self.slot_bytes, "n_staging": self.n_staging,
             "budgets": asdict(self.budgets), "reserves": asdict(self.reserves),
             "links_gbps": {"vram": self.links.vram / 1e9, "h2d": self.links.h2d / 1e9,
-                           "storage": self.links.storage / 1e9},
+                           "storage": self.links.storage / 1e9, "cpu": self.links.cpu / 1e9},
             "storage_kind": self.links.storage_kind, "links_source": self.links.source,
             "terms_s": self.terms, "bottleneck": self.bottleneck,
             "predicted_token_s": self.predicted_token_s,
@@ -217,18 +222,43 @@ def _place(order: list[int], strategy: str, spans: list[LayerSpan], head_bytes: 
     for i in order:
         if spans[i].nbytes <= room:
             tiers[i], room = "vram", room - spans[i].nbytes
-    streamed = [i for i in order if i not in tiers]
-    slots = min(slots, len(streamed))
+    streamed = sorted(i for i in order if i not in tiers)
     staging = n_staging or DEFAULT_STAGING
+    counts = range(len(streamed) + 1) if links.cpu > 0 else [0]
+    best = None
+    for n_cpu in counts:  # how many streamed layers the CPU computes instead (hybrid)
+        plan = _split(spans, tiers, streamed, n_cpu, slots, slot, staging, budgets, links, cfg, n_ctx,
+                      head_bytes, strategy)
+        if plan is not None and (best is None or plan.predicted_token_s < best.predicted_token_s * (1 - 1e-9)):
+            best = plan
+    return best
+
+
+def _spread(layers: list[int], n: int) -> set[int]:
+    """n of `layers` evenly spaced: CPU layers interleaved with streamed ones keep the ring fed."""
+    return {layers[(2 * j + 1) * len(layers) // (2 * n)] for j in range(n)} if n else set()
+
+
+def _split(spans, tiers, streamed, n_cpu, slots, slot, staging, budgets, links, cfg, n_ctx, head_bytes,
+           strategy) -> Plan | None:
+    """Streamed layers: n_cpu computed on the CPU (they need RAM), then pinned RAM, then storage."""
+    tiers = dict(tiers)
+    cpu = _spread(streamed, n_cpu)
     ram_room = budgets.ram - staging * slot
-    for i in streamed:
+    for i in sorted(cpu):
+        if spans[i].nbytes > ram_room:
+            return None
+        tiers[i], ram_room = "cpu", ram_room - spans[i].nbytes
+    gpu_streamed = [i for i in streamed if i not in cpu]
+    for i in gpu_streamed:
         if spans[i].nbytes <= ram_room:
             tiers[i], ram_room = "ram", ram_room - spans[i].nbytes
         else:
             tiers[i] = "storage"
     if "storage" not in tiers.values():
         staging = 0
-    return _plan(spans, tiers, slots, slot, staging, budgets, links, cfg, n_ctx, head_bytes, strategy)
+    slots = min(slots, max(len(gpu_streamed), MIN_SLOTS if cpu else 0))  # cpu layers stream for prefill
+    return _plan(spans, tiers, slots, slot if slots else 0, staging, budgets, links, cfg, n_ctx, head_bytes, strategy)
 
 
 def _plan(spans, tiers, slots, slot, staging, budgets, links, cfg, n_ctx, head_bytes, strategy) -> Plan:

@@ -4,6 +4,7 @@ stay on disk, and `pipeline.StreamingLayers` (or the naive `MmapBaseline`) hands
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable
 
@@ -12,7 +13,7 @@ import numpy as np
 from ntx_common.errors import UsageError
 from ntx_engine.layout import LayerSpan, layer_spans, resident_bytes
 from ntx_engine.model import LayerWeights, ModelWeights, ResidentLayers, WeightLoader
-from ntx_engine.pipeline import StreamingLayers
+from ntx_engine.pipeline import STREAMED, StreamingLayers
 from ntx_engine.planner import RAM_MARGIN, Budgets, Links, Plan, make_plan
 
 UNBOUNDED = 1 << 62
@@ -47,18 +48,48 @@ def spans_of(gf: Any, cfg: Any) -> list[LayerSpan]:
     return layer_spans(gf, cfg)
 
 
-def plan_for(gf: Any, cfg: Any, backend: Any, ecfg: Any, n_ctx: int, *, measure_links: bool = False) -> Plan:
+def plan_for(gf: Any, cfg: Any, backend: Any, ecfg: Any, n_ctx: int, *, measure_links: bool = False,
+             host: Any = None) -> Plan:
     """The placement for this model under the configured budgets. Links are measured (or read
-    from the cache) only when something streams or `measure_links` asks for them."""
+    from the cache) only when something streams or `measure_links` asks for them; CPU-computed
+    layers are considered only with a `host` backend."""
     spans, head = layer_spans(gf, cfg), resident_bytes(gf, cfg)
     budgets = default_budgets(backend, ecfg)
-    plan = make_plan(spans, head, cfg, n_ctx, budgets, ecfg.links or UNMEASURED, n_slots=ecfg.n_slots)
+    links = ecfg.links or UNMEASURED
+    if host is None and links.cpu:
+        links = dataclasses.replace(links, cpu=0.0)
+    plan = make_plan(spans, head, cfg, n_ctx, budgets, links, n_slots=ecfg.n_slots)
     if (plan.streamed or measure_links) and ecfg.links is None:
         from ntx_engine.links import measure
 
-        links = measure(backend, gf, ecfg.storage)
+        links = measure(backend, gf, ecfg.storage, host=host)
         plan = make_plan(spans, head, cfg, n_ctx, budgets, links, n_slots=ecfg.n_slots)
     return plan
+
+
+def host_backend(backend: Any, ecfg: Any) -> Any:
+    """The backend that computes CPU-tier layers, or None. Auto: the native CPU kernels next
+    to a GPU, with cores - 4 threads (NTX_CPU_THREADS overrides): the I/O, copy and Python
+    threads need cores too, and DMA and CPU compute share DRAM (FACTS: 16 threads collapse)."""
+    import os
+
+    from ntx_engine.backends import make_backend
+
+    choice = ecfg.host_device
+    if choice == "none" or ecfg.tiers == "mmap-baseline":
+        return None
+    if choice is not None:
+        return make_backend(choice, kv_dtype=ecfg.kv_dtype)
+    if backend.name != "cuda":
+        return None
+    from ntx_engine.backends.cpu_kernels import load_module
+
+    if load_module() is None:
+        return None
+    from ntx_engine.backends.cpu_native import NativeCpuBackend
+
+    threads = int(os.environ.get("NTX_CPU_THREADS") or max(1, len(os.sched_getaffinity(0)) - 4))
+    return NativeCpuBackend(kv_dtype=ecfg.kv_dtype, threads=threads)
 
 
 def make_ring(backend: Any, n_slots: int, slot_bytes: int) -> Any:
@@ -88,22 +119,24 @@ class SlotWeights:
 
 
 def build(gf: Any, loader: WeightLoader, spans: list[LayerSpan], plan: Plan, *, mode: str = "auto",
-          reader: Any = None, base_offset: int = 0,
+          reader: Any = None, base_offset: int = 0, host: Any = None,
           progress: Callable[[int, int], None] | None = None) -> tuple[ModelWeights, Any]:
-    """(weights with VRAM-tier layers loaded, the Transformer's layer source)."""
+    """(weights with VRAM-tier layers loaded, the Transformer's layer source). `host`: the
+    backend that computes `cpu`-tier layers (their weights are built on it here)."""
     if mode not in TIER_MODES:
         raise UsageError(f"--tiers must be one of {', '.join(TIER_MODES)}, got {mode!r}")
     tiers = [p.tier for p in plan.placements]
     weights = loader.load(progress, layers=plan.layers_in("vram"))
     if not plan.streamed:
         return weights, ResidentLayers(weights.layers)
-    streamed = [i for i, t in enumerate(tiers) if t != "vram"]
+    streamed = [i for i, t in enumerate(tiers) if t != "vram"]  # cpu layers stream for long prefills
     resident = {i: weights.layers[i] for i, t in enumerate(tiers) if t == "vram"}
     if mode == "mmap-baseline":
         ring = make_ring(loader.backend, 1, plan.slot_bytes)
         return weights, MmapBaseline(gf, spans, tiers, ring, resident, SlotWeights(loader, spans, ring, streamed))
     ring = make_ring(loader.backend, plan.n_slots, plan.slot_bytes)
-    pinned, keep = _pin(gf, spans, ring, plan.layers_in("ram"))
+    pinned, keep = _pin(gf, spans, ring, plan.layers_in("ram") + plan.layers_in("cpu"))
+    resident.update(_host_layers(loader, spans, {i: pinned[i] for i in plan.layers_in("cpu")}, host))
     size = 0
     if reader is None and gf.reader is not None:  # a staged raw device: its reader, its offsets
         reader, base_offset = gf.reader, gf.base_offset
@@ -121,6 +154,25 @@ def build(gf: Any, loader: WeightLoader, spans: list[LayerSpan], plan: Plan, *, 
     source.pinned_buffers = keep  # the buffer objects own the pinned memory the views point into
     source.owned_reader = owned
     return weights, source
+
+
+def _host_layers(loader: WeightLoader, spans: list[LayerSpan], pinned: dict[int, np.ndarray], host: Any) -> dict:
+    """LayerWeights on the host backend for the CPU-computed layers, over their pinned spans
+    (the native kernels read the GGUF blocks there: no dequantized copy; the same bytes are
+    the source when a long prefill streams these layers to the GPU)."""
+    if not pinned:
+        return {}
+    if host is None:
+        raise UsageError("the plan computes layers on the CPU but no host backend was given")
+    gf = loader.gf
+    host_loader = type(loader)(gf, loader.cfg, host)
+    out = {}
+    for i, raw in pinned.items():
+        offsets = spans[i].tensors
+        mats = {f: host.matrix(raw[offsets[name]:offsets[name] + gf.tensors[name].nbytes], t, shape, name)
+                for f, (name, t, shape) in host_loader.matrix_specs(i).items()}
+        out[i] = LayerWeights(**mats, **host_loader.layer_vectors(i))
+    return out
 
 
 def _pin(gf: Any, spans: list[LayerSpan], ring: Any, layers: list[int]) -> tuple[dict[int, np.ndarray], list]:

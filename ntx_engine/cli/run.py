@@ -40,6 +40,7 @@ def run(
     storage: Annotated[str, typer.Option("--storage", help="Reader for storage-tier layers: auto, direct (O_DIRECT), mmap, vfio.")] = "auto",
     tiers: Annotated[str, typer.Option("--tiers", help="auto, or mmap-baseline: the naive synchronous per-layer copy benchmarks compare against.")] = "auto",
     slots: Annotated[Optional[int], typer.Option("--slots", min=2, help="VRAM ring slots for streamed layers (default: the planner's).")] = None,
+    hybrid: Annotated[str, typer.Option("--hybrid", help="auto: next to a GPU, the planner may compute some non-resident layers on the CPU (native kernels) while others stream; off: never.")] = "auto",
     plan: Annotated[bool, typer.Option("--plan", help="Print the layer placement and the predicted speed; do not generate.")] = False,
     calibrate_skip: Annotated[bool, typer.Option("--calibrate-skip", help="Measure each layer's input/output cosine similarity on a calibration text and store the profile next to the model; do not generate.")] = False,
     skip_threshold: Annotated[Optional[float], typer.Option("--skip-threshold", help="Skip layers whose calibrated similarity exceeds this (never the first or last quarter).")] = None,
@@ -58,7 +59,8 @@ def run(
     opts = RunOptions(model=model, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                       top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
                       system=system, raw=raw, device=device, ctx=ctx, json=json_out, report=report,
-                      vram_budget=vram_budget, ram_budget=ram_budget, storage=storage, tiers=tiers, slots=slots)
+                      vram_budget=vram_budget, ram_budget=ram_budget, storage=storage, tiers=tiers, slots=slots,
+                      hybrid=hybrid)
     opts = dataclasses.replace(opts, skip_threshold=skip_threshold, skip_layers=skip_layers, speculate=speculate,
                                draft_model=draft_model, draft_layers=draft_layers)
     if calibrate_skip or eval_ppl is not None:  # quality tools: no prompt, no generation

@@ -36,6 +36,7 @@ class RunOptions:
     storage: str = "auto"
     tiers: str = "auto"
     slots: Optional[int] = None
+    hybrid: str = "auto"  # auto | off: CPU-computed layers next to a GPU
     skip_threshold: Optional[float] = None  # --skip-threshold / --skip-layers: skip.py
     skip_layers: Optional[int] = None
     speculate: Optional[str] = None  # --speculate k|auto, --draft-model, --draft-layers: speculative.py
@@ -48,8 +49,11 @@ class RunOptions:
         vram = None if self.vram_budget is None else parse_size(self.vram_budget, "--vram-budget")
         ram = None if self.ram_budget is None else parse_size(self.ram_budget, "--ram-budget")
         try:
+            if self.hybrid not in ("auto", "off"):
+                raise ValueError(f"--hybrid must be auto or off, got {self.hybrid!r}")
             return EngineConfig(device=self.device, n_ctx=self.ctx, vram_budget=vram, ram_budget=ram,
-                                storage=self.storage, tiers=self.tiers, n_slots=self.slots)
+                                storage=self.storage, tiers=self.tiers, n_slots=self.slots,
+                                host_device=None if self.hybrid == "auto" else "none")
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
 

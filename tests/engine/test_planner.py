@@ -51,7 +51,7 @@ def test_everything_fits_means_no_ring():
     c, sp = cfg(), spans([100 << 20] * 8)
     plan = make_plan(sp, 50 << 20, c, 1024, Budgets(vram=64 << 30, ram=0), LINKS)
     assert not plan.streamed and plan.n_slots == 0 and plan.reserves.ring == 0
-    assert plan.bytes_per_tier == {"vram": 800 << 20, "ram": 0, "storage": 0}
+    assert plan.bytes_per_tier == {"vram": 800 << 20, "ram": 0, "storage": 0, "cpu": 0}
 
 
 @pytest.mark.parametrize("vram_layers,ram_layers", [(4, 2), (3, 0), (0, 8), (2, 6), (4, 9)])
@@ -79,7 +79,7 @@ def test_predicted_time_is_the_slowest_link():
     vram = fixed(c, 1024, M0, head) + (3 + 4) * layer  # 4 resident, 4 streamed: 2 in RAM, 2 from storage
     plan = make_plan(sp, head, c, 1024, Budgets(vram=vram, ram=(3 + 2) * layer, margin=0), LINKS)
     b = plan.bytes_per_tier
-    assert b == {"vram": 4 * layer, "ram": 2 * layer, "storage": 2 * layer}
+    assert b == {"vram": 4 * layer, "ram": 2 * layer, "storage": 2 * layer, "cpu": 0}
     expect = max((sum(b.values()) + (50 << 20)) / LINKS.vram, (b["ram"] + b["storage"]) / LINKS.h2d,
                  b["storage"] / LINKS.storage)
     assert plan.predicted_token_s == pytest.approx(expect, rel=1e-12)
@@ -152,3 +152,37 @@ def test_spans_of_a_real_file_cover_its_tensors(smollm2_path):
                 assert bytes(span[off:off + t.nbytes]) == bytes(gf.tensor_data(t.name))
         every = sum(t.nbytes for t in gf.tensors.values())
         assert sum(s.tensor_bytes for s in sp) + resident_bytes(gf, c) == every
+
+
+def test_hybrid_split_balances_cpu_and_pcie():
+    """70B-like: 80 layers of 540 MB, room for 42 in VRAM. With the CPU at 39 GB/s and PCIe at
+    52 GB/s the planner gives the CPU about 39/(39+52) of the 38 other layers, spread out."""
+    c = cfg(80)
+    layer = 540 << 20
+    sp = spans([layer] * 80)
+    links = Links(vram=3000 * GB, h2d=52 * GB, storage=3 * GB, cpu=39 * GB)
+    vram = fixed(c, 1024, M0, 0) + (3 + 42) * layer
+    plan = make_plan(sp, 0, c, 1024, Budgets(vram=vram, ram=1 << 40, margin=0), links)
+    tiers = [p.tier for p in plan.placements]
+    n_cpu = tiers.count("cpu")
+    assert tiers.count("vram") == 42 and n_cpu + tiers.count("ram") == 38
+    assert abs(n_cpu - 38 * 39 / (39 + 52)) <= 1.5
+    cpu_at = [i for i, t in enumerate(tiers) if t == "cpu"]
+    assert all(b - a >= 2 for a, b in zip(cpu_at, cpu_at[1:]))  # interleaved with streamed layers
+    no_cpu = make_plan(sp, 0, c, 1024, Budgets(vram=vram, ram=1 << 40, margin=0),
+                       Links(vram=3000 * GB, h2d=52 * GB, storage=3 * GB))
+    assert "cpu" not in {p.tier for p in no_cpu.placements}
+    assert plan.predicted_token_s < 0.7 * no_cpu.predicted_token_s
+    t = plan.terms  # both sides finish together, to within one layer's time
+    assert abs(t["compute"] - t["h2d"]) <= layer / (39 * GB)
+
+
+def test_hybrid_cpu_layers_need_ram():
+    c = cfg(80)
+    layer = 540 << 20
+    sp = spans([layer] * 80)
+    links = Links(vram=3000 * GB, h2d=52 * GB, storage=3 * GB, cpu=39 * GB)
+    vram = fixed(c, 1024, M0, 0) + (3 + 42) * layer
+    plan = make_plan(sp, 0, c, 1024, Budgets(vram=vram, ram=(3 + 5) * layer, margin=0), links)
+    b = plan.bytes_per_tier
+    assert b["cpu"] + b["ram"] <= 5 * layer and b["storage"] > 0
