@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from ntx_common.errors import NtxIOError
 from ntx_engine.planner import Links
 
 PROBE_BYTES = 256 << 20
 STORAGE_PROBE = 1 << 30
-CACHE_VERSION = 2  # bump when a probe changes: old figures then stop being used
+CACHE_VERSION = 3  # bump when a probe changes: old figures then stop being used
 CACHE = Path(os.environ.get("NTX_CACHE", Path.home() / ".cache" / "ntx")) / "links.json"
 
 
@@ -75,34 +76,51 @@ def storage_bps(reader: Any, nbytes: int = STORAGE_PROBE) -> float:
     piece = max(4096, min(256 << 20, n // 4) // 4096 * 4096)
     count = n // piece
     dest = np.empty(count * piece, np.uint8)
+    dest.fill(0)  # fault the pages in now: first-touch is not the disk's time
     offsets = [((size - piece) * j // count) // 4096 * 4096 for j in range(count)]
+    if reader.name == "mmap":  # measure the disk, not the page cache
+        evict(reader.source, [(off, piece) for off in offsets])
     reqs = [(off, piece, dest[j * piece:(j + 1) * piece]) for j, off in enumerate(offsets)]
     t0 = time.perf_counter()
     reader.wait(reader.submit(reqs))
     return count * piece / (time.perf_counter() - t0)
 
 
+def evict(path: str, ranges) -> None:
+    """Drop file ranges from the page cache (POSIX_FADV_DONTNEED): the next read comes from disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for off, n in ranges:
+            os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def cpu_bps(backend: Any, host: Any, gf: Any, seconds: float = 0.6) -> float:
-    """The host kernels' weight-read rate on this model's largest layer-0 matrix, measured while
-    host-to-device copies run (they share DRAM: the concurrent figure is the one that holds)."""
+    """The host kernels' weight-read rate on this model's layer 0 — all its matrices, small ones
+    included, as a decode step runs them — measured while host-to-device copies run (they
+    share DRAM: the concurrent figure is the one that holds)."""
     infos = [t for n, t in gf.tensors.items() if n.startswith("blk.0.") and len(t.shape) == 2]
     if not infos:
         return 0.0
-    info = max(infos, key=lambda t: t.nbytes)
-    raw = np.array(gf.tensor_data(info.name), np.uint8)
-    w = host.matrix(raw, info.ggml_type, tuple(info.shape), info.name)
-    x = np.random.default_rng(0).standard_normal((1, info.shape[1])).astype(np.float32)
+    weights = [host.matrix(np.array(gf.tensor_data(t.name), np.uint8), t.ggml_type, tuple(t.shape), t.name)
+               for t in infos]
+    nbytes = sum(t.nbytes for t in infos)
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((1, t.shape[1])).astype(np.float32) for t in infos]
     stop = threading.Event()
     copier = threading.Thread(target=_copy_loop, args=(backend, stop), daemon=True) if backend.name == "cuda" else None
     if copier:
         copier.start()
     try:
-        host.matmul(w, x)  # warm: thread pool, caches
+        for w, x in zip(weights, xs):  # warm: thread pool, caches
+            host.matmul(w, x)
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            host.matmul(w, x)
+            for w, x in zip(weights, xs):
+                host.matmul(w, x)
             n += 1
-        return n * raw.nbytes / (time.perf_counter() - t0)
+        return n * nbytes / (time.perf_counter() - t0)
     finally:
         stop.set()
         if copier:
@@ -160,23 +178,37 @@ def _cpu_key(host: Any, gf: Any) -> str:
 
 
 def _measure_links(backend: Any, path: Any, reader: Any, storage: str) -> Links:
-    from ntx_io.reader import open_reader
-
+    """Bandwidths; for a file with --storage auto both kernel readers are measured and the
+    faster wins (a virtio disk backed by the host's cache reads faster buffered than O_DIRECT)."""
     if backend.name == "cuda":
         vram, h2d = cuda_links(backend)
     else:
         vram = h2d = host_copy_bps()
-    own = reader is None
-    if own:
-        from ntx_engine.tiers import READ_WORKERS
+    if reader is not None:
+        sto, kind = storage_bps(reader), reader.name
+    else:
+        kinds = ("direct", "mmap") if storage == "auto" else (storage,)
+        rates = {k: _file_rate(path, k) for k in kinds}
+        rates = {k: v for k, v in rates.items() if v is not None}
+        if not rates:
+            raise NtxIOError(f"{path}: no storage reader works for this file")
+        kind = max(rates, key=rates.get)
+        sto = rates[kind]
+    return Links(vram=vram, h2d=h2d, storage=sto, storage_kind=kind, source="measured")
 
-        reader, _ = open_reader(path, storage, **({"workers": READ_WORKERS} if storage != "vfio" else {}))
+
+def _file_rate(path: Any, kind: str) -> float | None:
+    from ntx_engine.tiers import READ_CHUNK, READ_WORKERS
+    from ntx_io.reader import open_reader
+
     try:
-        sto = storage_bps(reader)
+        reader, _ = open_reader(path, kind, workers=READ_WORKERS, chunk=READ_CHUNK)
+    except NtxIOError:
+        return None  # e.g. O_DIRECT on tmpfs
+    try:
+        return storage_bps(reader)
     finally:
-        if own:
-            reader.close()
-    return Links(vram=vram, h2d=h2d, storage=sto, storage_kind=reader.name, source="measured")
+        reader.close()
 
 
 def _load_cache() -> dict:

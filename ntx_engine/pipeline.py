@@ -107,10 +107,13 @@ class StreamingLayers:
         allocations) and the ring."""
         self.stop()
         buffers = list(getattr(self, "pinned_buffers", [])) + list(self._staging)
-        self.pinned, self._staging, self.pinned_buffers = {}, [], []
+        self.pinned, self._staging, self.pinned_buffers, self.resident = {}, [], [], {}
         for buf in buffers:
             if hasattr(buf, "close"):
-                buf.close()
+                try:
+                    buf.close()
+                except NtxIOError:  # a caller still holds weights over it: unregistered already,
+                    pass  # the memory itself goes when the last view does
         self.ring.close()
         owned = getattr(self, "owned_reader", None)  # a reader tiers.build opened for this model
         if owned is not None:
@@ -209,6 +212,7 @@ class StreamingLayers:
                 continue
             done, buf, lead, handle, t0 = inflight.popleft()
             self._finish(handle, done)
+            self._evict(self.spans[order[done % len(order)]])
             self.stats.io_s += time.perf_counter() - t0
             self._mark(order[done % len(order)], "io", t0)
             with self._cv:
@@ -225,6 +229,14 @@ class StreamingLayers:
         if self.source_size:
             hi = min(hi, self.source_size)
         return start - lo, self.reader.submit([(lo, hi - lo, dest[: hi - lo])])
+
+    def _evict(self, span: LayerSpan) -> None:
+        """Buffered (mmap) reads leave the span in the page cache: drop it, so storage-tier
+        layers do not quietly occupy RAM the budget did not give them."""
+        if getattr(self.reader, "name", "") == "mmap":
+            from ntx_engine.links import evict
+
+            evict(self.reader.source, [(self.base_offset + span.start, span.nbytes)])
 
     def _finish(self, handle: Any, q: int) -> None:
         deadline = time.monotonic() + STALL_S

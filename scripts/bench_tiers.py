@@ -65,14 +65,14 @@ def write_repeated_model(path: Path, shape: str, mix: str, n_layers: int | None,
     return total
 
 
-def parse_scenario(text: str) -> tuple[str, str | None, str | None]:
-    name, _, rest = text.partition(":")
-    vram, _, ram = rest.partition(":")
-    return name, vram or None, ram or None
+def parse_scenario(text: str) -> tuple[str, str | None, str | None, bool]:
+    """NAME:VRAM:RAM[:nohybrid]"""
+    name, vram, ram, *flags = (text.split(":") + ["", ""])[:4]
+    return name, vram or None, ram or None, "nohybrid" in flags
 
 
 def bench_one(path: Path, vram: str | None, ram: str | None, tiers: str, decode: int, prefill: int,
-              storage: str, device: str = "cuda") -> dict:
+              storage: str, device: str = "cuda", hybrid: bool = True) -> dict:
     from ntx_engine.backends import make_backend
     from ntx_engine.config import ModelConfig
     from ntx_engine.engine import EngineConfig, load_model
@@ -85,7 +85,14 @@ def bench_one(path: Path, vram: str | None, ram: str | None, tiers: str, decode:
 
     backend = make_backend(device)
     links = measure(backend, gf, storage)  # also for all-resident runs: the bound needs them
+    from ntx_engine import tiers as tiers_mod
+
+    host = tiers_mod.host_backend(backend, EngineConfig(device=device, tiers=tiers, host_device=None if hybrid else "none"))
+    if host is not None:  # the CPU's concurrent rate on this model, as Engine.load would measure it
+        links = measure(backend, gf, storage, host=host)
+        host.close()
     ecfg = EngineConfig(device=device, n_ctx=1024, storage=storage, tiers=tiers, links=links,
+                        host_device=None if hybrid else "none",
                         vram_budget=None if vram is None else parse_size(vram),
                         ram_budget=None if ram is None else parse_size(ram))
     t0 = time.perf_counter()
@@ -181,13 +188,14 @@ def main(argv: list[str] | None = None) -> int:
             n = write_repeated_model(path, shape, mix, args.layers)
             print(f"wrote {path} ({n / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s", flush=True)
     if args.one:  # one scenario in this process (the parent runs each in a fresh one)
-        _, vram, ram = parse_scenario(args.one)
-        res = bench_one(path, vram, ram, args.tiers, args.decode, args.prefill, args.storage, args.device)
+        _, vram, ram, nohybrid = parse_scenario(args.one)
+        res = bench_one(path, vram, ram, args.tiers, args.decode, args.prefill, args.storage, args.device,
+                        hybrid=not nohybrid)
         args.json.write_text(json.dumps(res))
         return 0
     results = {}
     for sc in args.scenario:
-        name, vram, ram = parse_scenario(sc)
+        name, vram, ram, _ = parse_scenario(sc)
         results[name] = run_child(path, sc, "auto", args.decode, args.prefill, args)
         print(name, json.dumps({k: v for k, v in results[name].items() if k not in ("plan", "pipeline")}), flush=True)
         if name in args.baseline:
@@ -202,10 +210,10 @@ def main(argv: list[str] | None = None) -> int:
            "machine": platform.node(), "command": " ".join(sys.argv), "results": results}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
-    print(f"\n{'scen':5} {'vram':>6} {'ram':>6} {'tok/s':>8} {'bound':>8} {'t/bound':>8} {'pp tok/s':>9} {'xbase':>7}  tiers GB")
+    print(f"\n{'scen':5} {'vram':>6} {'ram':>6} {'tok/s':>8} {'bound':>8} {'t/bound':>8} {'pp tok/s':>9} {'xbase':>7}  GB vram/ram/sto/cpu")
     for name, r in results.items():
         b = r["plan"]["bytes_per_tier"]
-        gb = "/".join(f"{b[t] / 1e9:.1f}" for t in ("vram", "ram", "storage"))
+        gb = "/".join(f"{b[t] / 1e9:.1f}" for t in ("vram", "ram", "storage", "cpu"))
         pp = f"{r['prefill_tok_s']:.1f}" if r["prefill_tok_s"] else "-"
         xb = f"{r['speedup_over_baseline']:.1f}" if "speedup_over_baseline" in r else "-"
         print(f"{name:5} {str(r['vram_budget']):>6} {str(r['ram_budget']):>6} {r['decode_tok_s']:8.2f} "
