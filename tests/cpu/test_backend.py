@@ -87,3 +87,42 @@ def test_weights_stay_raw_blocks(oracle_manifest):
     finally:
         eng.model.backend.close()
         eng.close()
+
+
+def test_device_names_pick_the_backends():
+    """'cpu' is the native backend (ggml mode), 'numpy' the oracle; exact mode stays on numpy."""
+    from ntx_common.errors import UsageError
+    from ntx_engine.backends import make_backend
+    from ntx_engine.backends.cpu_native import NativeCpuBackend
+    from ntx_engine.backends.numpy_backend import NumpyBackend
+
+    native = make_backend("cpu", matmul_mode="ggml", kv_dtype="f16")
+    assert type(native) is NativeCpuBackend and native.name == "cpu"
+    native.close()
+    assert type(make_backend("numpy", matmul_mode="ggml")) is NumpyBackend
+    assert type(make_backend("cpu", matmul_mode="exact")) is NumpyBackend
+    with pytest.raises(UsageError, match="numpy"):
+        make_backend("tpu")
+
+
+def test_cli_device_cpu_generates_what_the_native_engine_does(oracle_manifest):
+    """`ntx-run --device cpu` runs the native backend: its greedy tokens are the API's."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from ntx_engine.cli.run import app
+
+    path = oracle_manifest["models"]["tiny-llama-Q4_K_M"]
+    res = CliRunner().invoke(app, ["Once upon a time", "--model", str(path), "--device", "cpu", "--raw",
+                                   "--temperature", "0", "--max-tokens", "8", "--ctx", "64", "--json"],
+                             env={"NO_COLOR": "1", "COLUMNS": "120"})
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    eng = Engine.load(path, EngineConfig(device="cpu", n_ctx=64))
+    try:
+        want = list(eng.generate(eng.tokenize("Once upon a time"), 8))
+    finally:
+        eng.model.backend.close()
+        eng.close()
+    assert doc["device"] == "cpu" and doc["tokens"] == want
