@@ -33,7 +33,7 @@ def run(
     raw: Annotated[bool, typer.Option("--raw", help="Plain completion: do not apply the chat template.")] = False,
     device: Annotated[str, typer.Option(help="auto (cuda when a GPU is usable, else cpu), cpu (native C kernels; NTX_CPU_THREADS threads), numpy (the pure-numpy oracle), cuda or cuda:N.")] = "auto",
     ctx: Annotated[int, typer.Option("--ctx", min=16, help="Context length (tokens).")] = 4096,
-    threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="BLAS threads of the cpu backend (default 1: OpenBLAS threads slow down the small matvecs of decode; env OPENBLAS_NUM_THREADS wins).")] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Threads of the native CPU kernels (default: every core; env NTX_CPU_THREADS). The numpy backend's BLAS keeps 1 thread unless OPENBLAS_NUM_THREADS says otherwise.")] = None,
     report: Annotated[Optional[Path], typer.Option("--report", help="Write DIR/report.html: a self-contained page of the run (numbers, plan, per-layer timeline, bytes per tier, bandwidth vs bound).", metavar="DIR")] = None,
     vram_budget: Annotated[Optional[str], typer.Option("--vram-budget", help="VRAM for weights, KV cache and the streaming ring, e.g. 24G (default: what is free).")] = None,
     ram_budget: Annotated[Optional[str], typer.Option("--ram-budget", help="Pinned RAM for streamed layers, e.g. 8G or 0 (default: MemAvailable minus 2 GiB).")] = None,
@@ -91,14 +91,15 @@ def run(
 
 
 def _set_blas_threads(threads: Optional[int]) -> None:
-    """Must run before numpy loads OpenBLAS (the heavy imports happen below, in the command)."""
+    """Must run before numpy loads OpenBLAS (the heavy imports happen below, in the command).
+    --threads sizes the native CPU kernels' pool; BLAS (numpy backend) stays at 1 thread: its
+    threads slow down the small matvecs of decode."""
     import os
 
+    if threads is not None:
+        os.environ["NTX_CPU_THREADS"] = str(threads)
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
-        if threads is not None:
-            os.environ[var] = str(threads)
-        else:
-            os.environ.setdefault(var, "1")
+        os.environ.setdefault(var, "1")
 
 
 def main() -> None:
