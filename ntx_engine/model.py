@@ -143,7 +143,10 @@ class Transformer:
             raise ModelError(f"context length exceeded: {start + len(ids)} tokens > n_ctx {self.n_ctx}")
         pos = np.arange(start, start + len(ids))
         x = b.embed(self.w.tok_embd, np.asarray(ids))
-        for i in range(self.cfg.n_layers) if layers is None else layers:
+        order = range(self.cfg.n_layers) if layers is None else layers
+        if hasattr(self.source, "begin"):  # the streaming pipeline follows the pass's layer set
+            self.source.begin(order)
+        for i in order:
             lw = self.source.acquire(i)
             try:
                 x = self.run_layer(i, lw, x, pos, start)

@@ -120,6 +120,16 @@ class StreamingLayers:
             self.owned_reader = None
             owned.close()
 
+    def begin(self, layers) -> None:
+        """Called at the start of every pass: when it streams a different set of layers than the
+        cycle (layer skip, a perplexity run with skip), or the last pass stopped midway (an
+        error), restart the cycle on this pass's set. A pass that streams nothing (a
+        speculative draft over resident layers) leaves the cycle alone."""
+        wanted = [i for i in layers if self._streams(i)]
+        aborted = self.schedule and self._next % len(self.schedule)  # a pass that raised midway
+        if wanted and (wanted != self.schedule or aborted):
+            self.set_active(layers, stream_cpu=self.stream_cpu)
+
     def _streams(self, i: int) -> bool:
         return self.tiers[i] in STREAMED or (self.stream_cpu and self.tiers[i] == "cpu")
 

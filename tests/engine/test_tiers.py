@@ -198,3 +198,53 @@ def test_read_failure_is_an_error_not_a_hang():
                     src.release(i)
     finally:
         src.close()
+
+
+def test_passes_over_other_layer_sets_restart_the_cycle():
+    """Skip (a pass over fewer layers), a draft over resident layers only, and a pass that
+    died midway: the next pass streams exactly its own layers, bytes checked at acquire."""
+    tiers = ["vram", "ram", "storage", "ram", "vram", "storage"]
+    src, spans, disk, seen = make_pipeline(tiers, seed=9)
+    try:
+        def run(layers):
+            src.begin(layers)
+            for i in layers:
+                src.acquire(i)
+                src.release(i)
+        run(range(6))
+        run([0, 1, 3, 4, 5])  # skip layer 2
+        run([0, 4])  # a draft: nothing streamed, the cycle stays
+        run([0, 1, 3, 4, 5])
+        src.begin(range(6))
+        src.acquire(0)
+        src.acquire(1)  # ... and the pass raises here, holding layer 1
+        run(range(6))
+        assert seen == [1, 2, 3, 5] + [1, 3, 5] * 2 + [1] + [1, 2, 3, 5]
+    finally:
+        src.close()
+
+
+def test_skipping_passes_stream_only_their_layers(smollm2_path):
+    """A pass over a layer subset (layer skip) on the streamed model equals the same pass on the
+    resident model, and the skipped streamed layers are not read."""
+    import numpy as np
+
+    from ntx_engine.planner import parse_size
+
+    full = Engine.load(smollm2_path, EngineConfig(device="cpu", n_ctx=N_CTX, links=LINKS))
+    tiered = Engine.load(smollm2_path, EngineConfig(device="cpu", n_ctx=N_CTX, links=LINKS,
+                                                    vram_budget=parse_size("110M"), ram_budget=parse_size("20M")))
+    try:
+        ids = np.asarray(full.tokenize(PROMPT))
+        layers = [i for i in range(full.config.n_layers) if i not in (10, 11, 12, 20)]
+        want = full.model.forward(ids, 0, all_logits=True, layers=layers)
+        src = tiered.model.source
+        src.reset_stats()
+        got = tiered.model.forward(ids, 0, all_logits=True, layers=layers)
+        np.testing.assert_array_equal(got, want)
+        plan = tiered.plan()
+        streamed_kept = sum(plan.placements[i].nbytes for i in layers if plan.placements[i].tier in ("ram", "storage"))
+        assert src.stats.bytes["ram"] + src.stats.bytes["storage"] == streamed_kept
+    finally:
+        full.close()
+        tiered.close()
