@@ -45,6 +45,7 @@ class CudaMoe:
         self.module = Module(cuda_nvrtc.cached_cubin("moe.cu", backend.device.arch), "moe.cu")
 
     def _go(self, name: str, grid: tuple, block: tuple, args: tuple) -> None:
+        self.b.flush()  # a residual add the backend holds back for fusion must land first
         cfg = LaunchConfig(tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block)))
         (launch_pdl if self.b.k.pdl else launch)(self.module.function(name), cfg, args, self.b.stream, name)
 
