@@ -35,12 +35,16 @@ def mem_available(meminfo: str = "/proc/meminfo") -> int:
 
 def default_budgets(backend: Any, cfg: Any) -> Budgets:
     """Budgets given in the EngineConfig, else what is free: cuMemGetInfo for the GPU, and
-    MemAvailable minus a margin (2 GiB, or 1/8 on a small machine) for RAM. The numpy
-    backend's "VRAM" is host memory that holds dequantized weights: without a budget,
-    everything is resident there, as without tiers."""
+    MemAvailable minus a margin (2 GiB, or 1/8 on a small machine) for RAM. On the CPU
+    backends "VRAM" is host memory: without a budget everything is resident there, as without
+    tiers; with only --ram-budget, that budget is the resident part and the rest streams."""
     avail = mem_available()
     free_ram = max(0, avail - min(RAM_MARGIN, avail // 8))
     vram = cfg.vram_budget
+    if backend.name != "cuda" and vram is None and cfg.ram_budget is not None:
+        # CPU only: the compute device's memory is the RAM, so --ram-budget is what stays
+        # resident, and everything else streams from storage (no pinned second copy)
+        return Budgets(vram=cfg.ram_budget, ram=0)
     if vram is None:
         vram = backend.device.mem_info()[0] if backend.name == "cuda" else UNBOUNDED
     return Budgets(vram=vram, ram=free_ram if cfg.ram_budget is None else cfg.ram_budget)

@@ -248,3 +248,19 @@ def test_skipping_passes_stream_only_their_layers(smollm2_path):
     finally:
         full.close()
         tiered.close()
+
+
+def test_cpu_only_ram_budget_streams_the_rest(smollm2_path, resident):
+    """--device cpu with only a RAM budget: that much stays resident, the rest streams from
+    storage through the same pipeline (no pinned second copy), tokens as all-in-RAM."""
+    from ntx_engine.planner import parse_size
+
+    eng = Engine.load(smollm2_path, EngineConfig(device="cpu", n_ctx=N_CTX, links=LINKS,
+                                                 ram_budget=parse_size("110M")))
+    try:
+        plan = eng.plan()
+        assert {p.tier for p in plan.placements} == {"vram", "storage"} and plan.budgets.ram == 0
+        assert plan.budgets.vram == parse_size("110M")
+        assert list(eng.generate(resident["ids"], 8)) == resident["tokens"]
+    finally:
+        eng.close()
