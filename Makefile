@@ -20,7 +20,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip wheel setuptools cffi
 
-NATIVE_SRC  := setup.py $(wildcard native/nvme/*.c native/nvme/*.h native/nvme/*.py native/cpu/*.c native/cpu/*.h native/cpu/*.inc native/cpu/*.py)
+NATIVE_SRC  := setup.py native/cffi_module.py $(wildcard native/nvme/*.c native/nvme/*.h native/nvme/*.py native/cpu/*.c native/cpu/*.h native/cpu/*.inc native/cpu/*.py)
 
 $(BIN)/ntx-run: $(BIN)/python pyproject.toml $(NATIVE_SRC)
 	$(PIP) install -q -e .

@@ -160,7 +160,7 @@ class Engine:
 
     def _prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Bring the cache to `ids` reusing the longest cached prefix; logits of the last token."""
-        keep = _common_prefix(self._cached, ids)
+        keep = common_prefix(self._cached, ids)
         if keep == len(ids):  # everything cached: recompute the last token to get its logits
             keep -= 1
         self.model.backend.truncate(keep)
@@ -291,7 +291,8 @@ def load_model(gf: GGUFFile, cfg: ModelConfig, backend, ecfg: EngineConfig,
     return model
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids a and b share (the reusable part of a cached prefix)."""
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:

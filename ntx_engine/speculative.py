@@ -35,6 +35,7 @@ from typing import Any, Iterator, Protocol, Sequence
 import numpy as np
 
 from ntx_common.errors import ModelError, UsageError
+from ntx_engine.engine import common_prefix
 from ntx_engine.sampler import Sampler, SamplerConfig
 
 K_MAX = 16
@@ -212,7 +213,7 @@ class ModelDraft:
         model = self.engine.model
         if len(ids) + k > model.n_ctx:
             raise UsageError(f"the draft model's context ({model.n_ctx}) is too short for {len(ids) + k} tokens")
-        keep = _common_prefix(self.cached, ids)
+        keep = common_prefix(self.cached, ids)
         keep = min(keep, len(ids) - 1)  # the pending token is always fed: its logits give q1
         model.backend.truncate(keep)  # rollback: entries from `keep` on are rewritten before being read
         logits = None
@@ -355,12 +356,6 @@ def _round(tgt: Target, draft: Draft, ids: list[int], k: int, smp: Sampler, rng:
     return out
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class Speculator:

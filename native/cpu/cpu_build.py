@@ -13,9 +13,10 @@ itself needs no -m flags and runs on any x86-64; CPUID picks the kernel table at
 from __future__ import annotations
 
 import os
-import re
+import sys
 
-from cffi import FFI
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cffi_module import module  # noqa: E402  native/cffi_module.py, shared with the NVMe driver
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ["cpu_pool.c", "cpu_act.c", "cpu_dot.c", "cpu_dot_avx2.c", "cpu_dot_vnni.c",
@@ -26,29 +27,5 @@ CFLAGS = ["-std=gnu11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden", "-ffp-
           "-pthread"]
 
 
-def _cdef_block() -> str:
-    with open(os.path.join(HERE, "ntx_cpu.h"), encoding="utf-8") as f:
-        text = f.read()
-    match = re.search(r"/\* cdef-begin \*/(.*)/\* cdef-end \*/", text, re.S)
-    if match is None:
-        raise RuntimeError("ntx_cpu.h lost its cdef markers")
-    return re.sub(r"/\*.*?\*/", "", match.group(1), flags=re.S)
-
-
-def _rel(path: str) -> str:
-    # setuptools wants sources relative to the directory setup.py runs in
-    return os.path.relpath(path, os.getcwd())
-
-
-ffibuilder = FFI()
-ffibuilder.cdef(_cdef_block())
-ffibuilder.set_source(
-    "ntx_engine._cpu",
-    '#include "ntx_cpu.h"\n',
-    sources=[_rel(os.path.join(HERE, s)) for s in SOURCES],
-    include_dirs=[_rel(HERE)],
-    extra_compile_args=CFLAGS,
-    extra_link_args=["-pthread"],
-    libraries=["m"],
-    depends=[_rel(os.path.join(HERE, h)) for h in HEADERS],
-)
+ffibuilder = module("ntx_engine._cpu", HERE, "ntx_cpu.h", SOURCES, HEADERS, CFLAGS,
+                    extra_link_args=["-pthread"], libraries=["m"])

@@ -10,36 +10,13 @@ of truth for the API. cffi releases the GIL around every call, so polling in
 from __future__ import annotations
 
 import os
-import re
+import sys
 
-from cffi import FFI
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cffi_module import module  # noqa: E402  native/cffi_module.py, shared with the CPU kernels
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ["nvme_dev.c", "nvme_ctrl.c", "nvme_io.c", "nvme_vfio.c"]
 CFLAGS = ["-std=gnu11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden"]
 
-
-def _cdef_block() -> str:
-    with open(os.path.join(HERE, "nvme.h"), encoding="utf-8") as f:
-        text = f.read()
-    match = re.search(r"/\* cdef-begin \*/(.*)/\* cdef-end \*/", text, re.S)
-    if match is None:
-        raise RuntimeError("nvme.h lost its cdef markers")
-    return re.sub(r"/\*.*?\*/", "", match.group(1), flags=re.S)
-
-
-def _rel(path: str) -> str:
-    # setuptools wants sources relative to the directory setup.py runs in
-    return os.path.relpath(path, os.getcwd())
-
-
-ffibuilder = FFI()
-ffibuilder.cdef(_cdef_block())
-ffibuilder.set_source(
-    "ntx_io._nvme",
-    '#include "nvme.h"\n',
-    sources=[_rel(os.path.join(HERE, s)) for s in SOURCES],
-    include_dirs=[_rel(HERE)],
-    extra_compile_args=CFLAGS,
-    depends=[_rel(os.path.join(HERE, h)) for h in ("nvme.h", "nvme_impl.h", "nvme_spec.h")],
-)
+ffibuilder = module("ntx_io._nvme", HERE, "nvme.h", SOURCES, ["nvme.h", "nvme_impl.h", "nvme_spec.h"], CFLAGS)
