@@ -44,3 +44,22 @@ def pytest_terminal_summary(terminalreporter):
     out = Path(os.environ.get("NTX_REPORT_DIR", FIXTURES.parent.parent / "reports"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "measured.json").write_text(json.dumps(_measured, indent=1))
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Debian's chromium driven by Playwright (report pages); missing pieces fail, since
+    `make test` installs both."""
+    import shutil
+
+    exe = shutil.which("chromium")
+    if exe is None:
+        pytest.fail("chromium is not installed: run `make browser` (apt-get install chromium)", pytrace=False)
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("playwright is not installed: pip install -e '.[test]'", pytrace=False)
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=exe, args=["--no-sandbox", "--disable-dev-shm-usage"])
+        yield b
+        b.close()

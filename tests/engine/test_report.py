@@ -5,7 +5,6 @@ opened in headless Chromium (no console errors, no network, the run's numbers vi
 from __future__ import annotations
 
 import json
-import shutil
 from html.parser import HTMLParser
 
 import pytest
@@ -107,20 +106,6 @@ def test_summary_rejects_nonsense():
 
 # --- headless Chromium ------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def browser():
-    """Debian's chromium driven by Playwright; missing pieces fail (make test installs both)."""
-    exe = shutil.which("chromium")
-    if exe is None:
-        pytest.fail("chromium is not installed: run `make browser` (apt-get install chromium)", pytrace=False)
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.fail("playwright is not installed: pip install -e '.[test]'", pytrace=False)
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=exe, args=["--no-sandbox", "--disable-dev-shm-usage"])
-        yield b
-        b.close()
 
 
 def open_page(browser, url: str) -> tuple[str, list[str], list[str], int]:

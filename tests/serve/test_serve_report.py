@@ -3,26 +3,11 @@ loads without errors or outside requests and shows that request's numbers."""
 
 from __future__ import annotations
 
-import shutil
 
-import pytest
 
 from ntx_engine.report import fmt_rate
 
 
-@pytest.fixture(scope="module")
-def browser():
-    exe = shutil.which("chromium")
-    if exe is None:
-        pytest.fail("chromium is not installed: run `make browser` (apt-get install chromium)", pytrace=False)
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.fail("playwright is not installed: pip install -e '.[test]'", pytrace=False)
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=exe, args=["--no-sandbox", "--disable-dev-shm-usage"])
-        yield b
-        b.close()
 
 
 def test_report_shows_the_last_request(server, browser):
