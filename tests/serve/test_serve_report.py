@@ -3,11 +3,7 @@ loads without errors or outside requests and shows that request's numbers."""
 
 from __future__ import annotations
 
-
-
 from ntx_engine.report import fmt_rate
-
-
 
 
 def test_report_shows_the_last_request(server, browser):
