@@ -36,7 +36,7 @@ def run(
     threads: Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Threads of the native CPU kernels (default: every core; env NTX_CPU_THREADS). The numpy backend's BLAS keeps 1 thread unless OPENBLAS_NUM_THREADS says otherwise.")] = None,
     report: Annotated[Optional[Path], typer.Option("--report", help="Write DIR/report.html: a self-contained page of the run (numbers, plan, per-layer timeline, bytes per tier, bandwidth vs bound).", metavar="DIR")] = None,
     vram_budget: Annotated[Optional[str], typer.Option("--vram-budget", help="VRAM for weights, KV cache and the streaming ring, e.g. 24G (default: what is free).")] = None,
-    ram_budget: Annotated[Optional[str], typer.Option("--ram-budget", help="Pinned RAM for streamed layers, e.g. 8G or 0 (default: MemAvailable minus 2 GiB).")] = None,
+    ram_budget: Annotated[Optional[str], typer.Option("--ram-budget", help="Pinned RAM for streamed layers, e.g. 8G or 0 (default: MemAvailable minus 2 GiB). On --device cpu without --vram-budget: what stays resident; the rest streams from storage.")] = None,
     storage: Annotated[str, typer.Option("--storage", help="Reader for storage-tier layers: auto, direct (O_DIRECT), mmap, vfio.")] = "auto",
     tiers: Annotated[str, typer.Option("--tiers", help="auto, or mmap-baseline: the naive synchronous per-layer copy benchmarks compare against.")] = "auto",
     slots: Annotated[Optional[int], typer.Option("--slots", min=2, help="VRAM ring slots for streamed layers (default: the planner's).")] = None,
