@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from greedy_check import agree_until_tie, greedy  # tests/cuda/greedy_check.py
 
 from ntx_engine.backends.numpy_backend import NumpyBackend
 from ntx_engine.config import ModelConfig
@@ -43,32 +44,12 @@ def _load(path: Path, backend, n_ctx: int) -> Transformer:
     return Transformer(cfg, WeightLoader(gf, cfg, backend).load(), backend, n_ctx)
 
 
-def _greedy(forward, prompt: np.ndarray, steps: int) -> tuple[list[int], list[np.ndarray]]:
-    logits = forward(prompt, 0)[-1]
-    toks, all_logits = [], [logits]
-    for i in range(steps):
-        toks.append(int(np.argmax(logits)))
-        logits = forward(np.asarray([toks[-1]]), len(prompt) + i)[-1]
-        all_logits.append(logits)
-    return toks, all_logits
-
-
 def noise_floor(model: Transformer, seq: list[int], n_prompt: int) -> float:
     """Max |logit change| of the numpy model when every matmul input is jittered (ntx_engine.noise)."""
     def logits():
         return model.forward(np.asarray(seq), 0, all_logits=True)[n_prompt - 1:]
 
     return float(rounding_noise(logits, model.backend, rel=NOISE_REL).max())
-
-
-def agree_until_tie(ref_toks, ref_logits, toks, near_tie: float) -> tuple[int, bool]:
-    """Identical leading tokens, and whether the first mismatch came at a near-tie (margin of
-    the reference's top two logits below near_tie)."""
-    for i, (a, b) in enumerate(zip(ref_toks, toks)):
-        if a != b:
-            top2 = np.sort(ref_logits[i])[-2:]
-            return i, bool(top2[1] - top2[0] < near_tie)
-    return len(ref_toks), False
 
 
 @pytest.mark.parametrize("shape,mix,layers", CASES, ids=[f"{s}-{m}" for s, m, _ in CASES])
@@ -82,12 +63,12 @@ def test_greedy_tokens_match_numpy(cuda_backend, synth, tmp_path, shape, mix, la
     ref = _load(path, NumpyBackend(), n_ctx)
     rng = np.random.default_rng(11)
     prompt = rng.integers(0, ref.cfg.vocab_size, 9)
-    ref_toks, ref_logits = _greedy(ref.forward, prompt, STEPS)
+    ref_toks, ref_logits = greedy(ref.forward, prompt, STEPS)
 
     gpu = _load(path, CudaBackend(), n_ctx)
-    toks, logits = _greedy(gpu.forward, prompt, STEPS)
+    toks, logits = greedy(gpu.forward, prompt, STEPS)
     graph = DecodeGraph(_load(path, CudaBackend(), n_ctx))
-    g_toks, g_logits = _greedy(graph.forward, prompt, STEPS)
+    g_toks, g_logits = greedy(graph.forward, prompt, STEPS)
 
     noise = noise_floor(ref, [*prompt.tolist(), *ref_toks[:-1]], len(prompt))
     near_tie = max(NEAR_TIE, 2 * noise)

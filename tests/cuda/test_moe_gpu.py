@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from greedy_check import agree_until_tie, greedy  # tests/cuda/greedy_check.py
 
 from ntx_engine.backends.numpy_backend import NumpyBackend
 from ntx_engine.config import ModelConfig
@@ -90,24 +91,6 @@ def _load(path: Path, backend, n_ctx: int):
     return model_cls(cfg, loader_cls(gf, cfg, backend).load(), backend, n_ctx)
 
 
-def _greedy(forward, prompt: np.ndarray, steps: int) -> tuple[list[int], list[np.ndarray]]:
-    logits = forward(prompt, 0)[-1]
-    toks, all_logits = [], [logits]
-    for i in range(steps):
-        toks.append(int(np.argmax(logits)))
-        logits = forward(np.asarray([toks[-1]]), len(prompt) + i)[-1]
-        all_logits.append(logits)
-    return toks, all_logits
-
-
-def _first_mismatch(ref_toks, ref_logits, toks, near_tie: float) -> tuple[int, bool]:
-    for i, (a, b) in enumerate(zip(ref_toks, toks)):
-        if a != b:
-            top2 = np.sort(ref_logits[i])[-2:]
-            return i, bool(top2[1] - top2[0] < near_tie)
-    return len(ref_toks), False
-
-
 @pytest.mark.parametrize("shape,mix,layers", CASES, ids=[f"{s}-{m}" for s, m, _ in CASES])
 def test_greedy_tokens_match_numpy(cuda_backend, synth, tmp_path, shape, mix, layers):
     from ntx_engine.backends.cuda_backend import CudaBackend
@@ -117,14 +100,14 @@ def test_greedy_tokens_match_numpy(cuda_backend, synth, tmp_path, shape, mix, la
     synth.write_model(path, shape, mix, layers, seed=5)
     prompt = np.random.default_rng(13).integers(0, 512, 9)
     ref = _load(path, NumpyBackend(), 64)
-    ref_toks, ref_logits = _greedy(ref.forward, prompt, STEPS)
-    toks, logits = _greedy(_load(path, CudaBackend(), 64).forward, prompt, STEPS)
-    g_toks, g_logits = _greedy(DecodeGraph(_load(path, CudaBackend(), 64)).forward, prompt, STEPS)
+    ref_toks, ref_logits = greedy(ref.forward, prompt, STEPS)
+    toks, logits = greedy(_load(path, CudaBackend(), 64).forward, prompt, STEPS)
+    g_toks, g_logits = greedy(DecodeGraph(_load(path, CudaBackend(), 64)).forward, prompt, STEPS)
 
     seq = [*prompt.tolist(), *ref_toks[:-1]]
     noise = float(rounding_noise(lambda: ref.forward(np.asarray(seq), 0, all_logits=True)[len(prompt) - 1:],
                                  ref.backend).max())
-    agree, tie = _first_mismatch(ref_toks, ref_logits, toks, max(NEAR_TIE, 2 * noise))
+    agree, tie = agree_until_tie(ref_toks, ref_logits, toks, max(NEAR_TIE, 2 * noise))
     prefill = float(np.abs(logits[0] - ref_logits[0]).max())
     problems = []
     if g_toks != toks or not all(np.array_equal(a, b) for a, b in zip(g_logits, logits)):
