@@ -16,6 +16,7 @@ from ntx_engine.backends import default_device, make_backend
 from ntx_engine.chat import ChatTemplate
 from ntx_engine.config import ModelConfig
 from ntx_engine.gguf import GGUFFile
+from ntx_engine.layout import layer_spans
 from ntx_engine.model import Transformer
 from ntx_engine.modelfile import open_model
 from ntx_engine.planner import Links
@@ -276,7 +277,7 @@ def load_model(gf: GGUFFile, cfg: ModelConfig, backend, ecfg: EngineConfig,
     if host is not None and not cpu_layers:
         getattr(host, "close", lambda: None)()
         host = None
-    weights, source = tiers.build(gf, loader, tiers.spans_of(gf, cfg), plan, mode=ecfg.tiers, host=host,
+    weights, source = tiers.build(gf, loader, layer_spans(gf, cfg), plan, mode=ecfg.tiers, host=host,
                                   progress=progress)
     model = model_cls(cfg, weights, backend, n_ctx)
     model.source, model.plan = source, plan

@@ -14,7 +14,7 @@ import numpy as np
 from ntx_common.errors import UsageError
 from ntx_engine.layout import LayerSpan, layer_spans, resident_bytes
 from ntx_engine.model import LayerWeights, ModelWeights, ResidentLayers, WeightLoader
-from ntx_engine.pipeline import STREAMED, StreamingLayers
+from ntx_engine.pipeline import StreamingLayers
 from ntx_engine.planner import RAM_MARGIN, Budgets, Links, Plan, make_plan
 
 UNBOUNDED = 1 << 62
@@ -48,10 +48,6 @@ def default_budgets(backend: Any, cfg: Any) -> Budgets:
     if vram is None:
         vram = backend.device.mem_info()[0] if backend.name == "cuda" else UNBOUNDED
     return Budgets(vram=vram, ram=free_ram if cfg.ram_budget is None else cfg.ram_budget)
-
-
-def spans_of(gf: Any, cfg: Any) -> list[LayerSpan]:
-    return layer_spans(gf, cfg)
 
 
 def plan_for(gf: Any, cfg: Any, backend: Any, ecfg: Any, n_ctx: int, *, measure_links: bool = False,
