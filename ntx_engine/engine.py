@@ -43,6 +43,11 @@ class EngineConfig:
     # backend computing CPU-tier layers (hybrid): None = auto (native CPU kernels next to a GPU),
     # "none" = never, or a device name ("cpu", "numpy")
     host_device: str | None = None
+    # MoE expert offload (moe_offload.py): cache policy, slots (None: from the VRAM budget; a
+    # number forces the offload), and where experts are computed: auto | gpu | cpu
+    expert_cache: str = "lru"
+    expert_slots: int | None = None
+    moe_experts: str = "auto"
 
     def __post_init__(self) -> None:
         if self.storage not in ("auto", "direct", "mmap", "vfio"):
@@ -53,6 +58,12 @@ class EngineConfig:
             raise ValueError(f"matmul_mode must be 'ggml' or 'exact', got {self.matmul_mode!r}")
         if self.kv_dtype not in ("f16", "f32"):
             raise ValueError(f"kv_dtype must be 'f16' or 'f32', got {self.kv_dtype!r}")
+        if self.expert_cache not in ("lru", "lfu"):
+            raise ValueError(f"--expert-cache must be lru or lfu, got {self.expert_cache!r}")
+        if self.expert_slots is not None and self.expert_slots < 1:
+            raise ValueError(f"--expert-slots must be at least 1, got {self.expert_slots}")
+        if self.moe_experts not in ("auto", "gpu", "cpu"):
+            raise ValueError(f"--moe-experts must be auto, gpu or cpu, got {self.moe_experts!r}")
 
 
 @dataclass
@@ -103,6 +114,12 @@ class Engine:
         with open_model(path) as gf:
             cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
             backend = make_backend(device, matmul_mode=ecfg.matmul_mode, kv_dtype=ecfg.kv_dtype)
+            if cfg.is_moe:  # experts offloaded when the model does not fit (moe_offload.py)
+                from ntx_engine import moe_offload
+
+                if moe_offload.needs_offload(gf, cfg, backend, ecfg, min(ecfg.n_ctx, cfg.context_length)):
+                    return moe_offload.plan_offload(gf, cfg, backend, ecfg, min(ecfg.n_ctx, cfg.context_length),
+                                                    moe_offload.host_for(backend, ecfg))
             return tiers.plan_for(gf, cfg, backend, ecfg, min(ecfg.n_ctx, cfg.context_length), measure_links=True,
                                   host=tiers.host_backend(backend, ecfg))
 
@@ -119,6 +136,8 @@ class Engine:
         stats = getattr(self.model.source, "stats", None)
         if stats is not None:
             out["pipeline"] = stats.as_dict()
+        if getattr(self.model, "offload", None) is not None:  # MoE experts: cache hits, bytes
+            out["experts"] = self.model.offload.stats()
         return out
 
     @property
@@ -131,7 +150,8 @@ class Engine:
                 "bytes_per_tier": plan.bytes_per_tier,
                 "bandwidth": {k: v / 1e9 for k, v in (("vram", plan.links.vram), ("h2d", plan.links.h2d),
                                                       ("storage", plan.links.storage))},
-                "bound_tok_s": 1.0 / plan.predicted_token_s}
+                "bound_tok_s": 1.0 / plan.predicted_token_s,
+                "experts": self.model.offload.stats() if getattr(self.model, "offload", None) is not None else None}
 
     @property
     def model_name(self) -> str:
@@ -269,8 +289,14 @@ def load_model(gf: GGUFFile, cfg: ModelConfig, backend, ecfg: EngineConfig,
     """The model in the tiers the planner picks for `ecfg`'s budgets (weights loaded, pipeline
     started); wrapped in a decode CUDA graph when everything is resident on a GPU."""
     loader_cls, model_cls = model_classes(cfg)  # moe.py's pair when the file has experts
-    loader = loader_cls(gf, cfg, backend)
     n_ctx = min(ecfg.n_ctx, cfg.context_length)
+    if cfg.is_moe:  # experts that do not fit go to RAM and a VRAM expert cache (moe_offload.py)
+        from ntx_engine.moe_offload import load_offloaded
+
+        model = load_offloaded(gf, cfg, backend, ecfg, n_ctx, progress)
+        if model is not None:
+            return model
+    loader = loader_cls(gf, cfg, backend)
     host = tiers.host_backend(backend, ecfg)
     plan = tiers.plan_for(gf, cfg, backend, ecfg, n_ctx, host=host)
     cpu_layers = plan.layers_in("cpu")
@@ -281,6 +307,10 @@ def load_model(gf: GGUFFile, cfg: ModelConfig, backend, ecfg: EngineConfig,
                                   progress=progress)
     model = model_cls(cfg, weights, backend, n_ctx)
     model.source, model.plan = source, plan
+    if backend.name == "cpu":  # native kernels: each dense layer is one C call
+        from ntx_engine.backends.cpu_native import WholeLayers
+
+        WholeLayers(model)
     if cpu_layers:  # hybrid: these layers run on the host backend (hybrid.py)
         from ntx_engine.hybrid import HostLayers
 

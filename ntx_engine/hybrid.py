@@ -41,6 +41,9 @@ class HostLayers:
         self.gpu_pass = False
         self._upload = getattr(model.backend, "from_numpy", None) or (lambda a: a)
         self._forward = model.forward
+        # the native host runs a dense layer in one C call (GIL taken once per layer)
+        run_block = getattr(host, "run_block", None)
+        self._host_block = (lambda *a: run_block(self.view, *a)) if run_block else self.view.block
         model.run_layer, model.settle, model.forward = self.run_layer, self.settle, self.forward
 
     def forward(self, ids: np.ndarray, start: int, all_logits: bool = False, layers=None) -> np.ndarray:
@@ -71,7 +74,7 @@ class HostLayers:
             if not isinstance(x, OnHost):
                 x = OnHost(np.ascontiguousarray(self.model.backend.to_numpy(x), np.float32))
                 self.boundaries += 1
-            x.x = self.view.block(i, lw, x.x, pos, start)
+            x.x = self._host_block(i, lw, x.x, pos, start)
             return x
         return self.model.block(i, lw, self.settle(x), pos, start)
 

@@ -78,6 +78,27 @@ int ntx_cpu_rope_attention(struct ntx_cpu_pool *pool, const float *q, const floa
                            int64_t n_ctx, int64_t start, int64_t n, int64_t n_head, int64_t n_kv,
                            int64_t hd, float *out);
 
+/* one llama-family decoder layer with a dense SwiGLU FFN (cpu_layer.c) */
+struct ntx_cpu_layer {
+    int64_t n_embd, n_head, n_kv, head_dim, n_ff;
+    int64_t rope_dim;          /* rotated dims per head (even, <= head_dim) */
+    int neox;                  /* RoPE: 1 = halves (neox), 0 = adjacent pairs */
+    float eps;                 /* RMSNorm epsilon */
+    int types[7];              /* ggml types of wq, wk, wv, wo, w_gate, w_up, w_down */
+    const void *w[7];          /* their raw GGUF blocks: (n_head*hd, n_embd), (n_kv*hd, n_embd) x2,
+                                  (n_embd, n_head*hd), (n_ff, n_embd) x2, (n_embd, n_ff) */
+    const float *attn_norm;    /* (n_embd,) */
+    const float *ffn_norm;     /* (n_embd,) */
+    const float *bq, *bk, *bv; /* (n_head*hd,), (n_kv*hd,) x2: qwen2 biases, or all NULL */
+    void *k_cache, *v_cache;   /* (n_ctx, n_kv, hd) of this layer, fp16 or f32 */
+    int kv_f16;
+    int64_t n_ctx;
+};
+/* x (n, n_embd) += the layer's attention, then += its FFN, for tokens at positions start..;
+   cos/sin (n, rope_dim/2). The same kernels in the same order as the op-by-op calls above. */
+int ntx_cpu_layer_forward(struct ntx_cpu_pool *pool, const struct ntx_cpu_layer *layer, float *x,
+                          int64_t n, int64_t start, const float *cos_t, const float *sin_t);
+
 /* NUMA nodes in /sys/devices/system/node (1 when the directory is absent) */
 int ntx_cpu_numa_nodes(void);
 /* cdef-end */

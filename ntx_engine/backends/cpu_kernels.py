@@ -49,6 +49,13 @@ def _f32(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
+def _vec(v: np.ndarray, n: int, what: str) -> np.ndarray:
+    v = _f32(v).reshape(-1)
+    if v.size != n:
+        raise ValueError(f"{what}: {v.size} values, expected {n}")
+    return v
+
+
 class RawWeight:
     """A checked (rows, k) weight of raw GGUF blocks and its C pointer (kept alive with `raw`)."""
 
@@ -56,6 +63,15 @@ class RawWeight:
 
     def __init__(self, ggml_type: int, raw: np.ndarray, ptr, rows: int, k: int, name: str) -> None:
         self.type, self.raw, self.ptr, self.rows, self.k, self.name = ggml_type, raw, ptr, rows, k, name
+
+
+class LayerSpec:
+    """A filled `struct ntx_cpu_layer` and everything it points into (kept alive here)."""
+
+    __slots__ = ("struct", "keep", "n_embd", "name")
+
+    def __init__(self, struct, keep: list, n_embd: int, name: str) -> None:
+        self.struct, self.keep, self.n_embd, self.name = struct, keep, n_embd, name
 
 
 class CpuKernels:
@@ -232,6 +248,56 @@ class CpuKernels:
                                                      self._fp(cos), self._fp(sin), rope_dim, int(neox),
                                                      *geometry)
         self._check(rc, "attention")
+        return out
+
+    # --- a whole layer -------------------------------------------------------------------
+    def layer_spec(self, geometry: dict, ws: list["RawWeight"], norms: tuple, biases: tuple | None,
+                   k_cache: np.ndarray, v_cache: np.ndarray, name: str = "layer") -> LayerSpec:
+        """Check a dense llama-family layer once: geometry = n_embd, n_head, n_kv, head_dim, n_ff,
+        rope_dim, neox, eps; ws = wq, wk, wv, wo, w_gate, w_up, w_down; norms = (attn, ffn);
+        biases = (bq, bk, bv) or None; caches (n_ctx, n_kv, head_dim) of this layer."""
+        g = geometry
+        e, hd, ff = g["n_embd"], g["head_dim"], g["n_ff"]
+        qd, kvd = g["n_head"] * hd, g["n_kv"] * hd
+        shapes = [(qd, e), (kvd, e), (kvd, e), (e, qd), (ff, e), (ff, e), (e, ff)]
+        if len(ws) != 7 or [(w.rows, w.k) for w in ws] != shapes:
+            raise ValueError(f"{name}: weights {[(w.rows, w.k) for w in ws]} are not the shapes {shapes}")
+        vecs = [_vec(v, e, f"{name} norm") for v in norms]
+        if biases is not None:
+            vecs += [_vec(b, n, f"{name} bias") for b, n in zip(biases, (qd, kvd, kvd))]
+        for c in (k_cache, v_cache):
+            if not c.flags.c_contiguous or c.shape[1:] != (g["n_kv"], hd) or c.dtype not in (np.float16, np.float32):
+                raise ValueError(f"{name}: a KV cache must be C-contiguous f16/f32 (n_ctx, {g['n_kv']}, {hd}), "
+                                 f"got {c.dtype} {c.shape}")
+        st = self.ffi.new("struct ntx_cpu_layer *")
+        for key in ("n_embd", "n_head", "n_kv", "head_dim", "n_ff", "rope_dim"):
+            setattr(st, key, int(g[key]))
+        st.neox, st.eps = int(g["neox"]), float(g["eps"])
+        for j, w in enumerate(ws):
+            st.types[j], st.w[j] = w.type, w.ptr
+        fps = [self._fp(v) for v in vecs]
+        st.attn_norm, st.ffn_norm = fps[0], fps[1]
+        if biases is not None:
+            st.bq, st.bk, st.bv = fps[2:]
+        st.k_cache, st.v_cache = self.ffi.from_buffer(k_cache), self.ffi.from_buffer(v_cache)
+        st.kv_f16, st.n_ctx = int(k_cache.dtype == np.float16), len(k_cache)
+        return LayerSpec(st, [ws, vecs, fps, k_cache, v_cache], e, name)
+
+    def layer_forward(self, spec: LayerSpec, x: np.ndarray, start: int, cos: np.ndarray,
+                      sin: np.ndarray) -> np.ndarray:
+        """x (n, n_embd) through the whole layer in one C call -> a new (n, n_embd) array."""
+        out = np.array(x, dtype=np.float32, order="C")  # the kernel updates its x in place
+        cos, sin = _f32(cos), _f32(sin)
+        half = (len(out), int(spec.struct.rope_dim) // 2)
+        if out.ndim != 2 or out.shape[1] != spec.n_embd or cos.shape != half or sin.shape != half:
+            raise ValueError(f"{spec.name}: x {out.shape}, cos {cos.shape}, sin {sin.shape} do not fit "
+                             f"n_embd {spec.n_embd} and rope tables {half}")
+        if start < 0 or start + len(out) > spec.struct.n_ctx:
+            raise ValueError(f"context full: position {start + len(out)} exceeds n_ctx {spec.struct.n_ctx}")
+        with self._lock:
+            rc = self.lib.ntx_cpu_layer_forward(self._live(), spec.struct, self._fp(out), len(out), start,
+                                                self._fp(cos), self._fp(sin))
+        self._check(rc, f"forward of {spec.name}")
         return out
 
     # --- plumbing ------------------------------------------------------------------------

@@ -48,6 +48,32 @@ class NativeWeight:
         return self.raw.nbytes
 
 
+def is_dense(model) -> bool:
+    """True when `model` runs the plain llama-family block (not a MoE FFN or another override)."""
+    from ntx_engine.model import Transformer
+
+    if not isinstance(model, Transformer):
+        return False
+    own = vars(model)
+    return all(getattr(type(model), m) is getattr(Transformer, m) and m not in own
+               for m in ("block", "attention", "ffn"))
+
+
+class WholeLayers:
+    """`--device cpu`: installed as `model.run_layer`, so every layer the native backend
+    computes is one C call (NativeCpuBackend.run_block); anything else runs op by op."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        model.run_layer = self
+
+    def __call__(self, i: int, lw, x, pos: np.ndarray, start: int):
+        b = self.model.backend
+        if isinstance(b, NativeCpuBackend):
+            return b.run_block(self.model, i, lw, x, pos, start)
+        return self.model.block(i, lw, x, pos, start)
+
+
 class NativeCpuBackend(NumpyBackend):
     """`--device cpu`: the numpy backend with every op of a layer replaced by a C kernel."""
 
@@ -61,6 +87,7 @@ class NativeCpuBackend(NumpyBackend):
         super().__init__(matmul_mode, kv_dtype)
         self.kernels = kernels if kernels is not None else CpuKernels(threads)
         self._rope_key: bytes | None = None
+        self._layer_specs: dict[int, tuple] = {}
 
     # weights ---------------------------------------------------------------------------
     def matrix(self, raw, ggml_type, shape, name):
@@ -117,6 +144,42 @@ class NativeCpuBackend(NumpyBackend):
 
     def add(self, a, b):
         return a + b  # numpy's float32 add is the same operation, without a C call's overhead
+
+    # a whole layer in one C call (cpu_layer.c) -------------------------------------------
+    def run_block(self, model, i: int, lw, x: np.ndarray, pos: np.ndarray, start: int) -> np.ndarray:
+        """Layer i of `model`: one native call when `model` is a dense llama-family Transformer
+        computing on this very backend (the GIL is taken once per layer, not ~10 times), else
+        its op-by-op `block`. Both run the same kernels in the same order: equal bit for bit."""
+        spec = self._layer_spec(i, lw) if model.backend is self and is_dense(model) else None
+        if spec is None:
+            return model.block(i, lw, x, pos, start)
+        cos, sin = self._cos_sin(np.asarray(pos))
+        return self.kernels.layer_forward(spec, x, start, cos, sin)
+
+    def _layer_spec(self, i: int, lw):
+        """The checked C view of layer i's weights and KV cache, or None when a piece is not
+        what the C layer takes (a jittered matmul, a numpy weight). Cached while the pieces
+        are the same objects (a streamed layer's slot brings new ones)."""
+        mats = (lw.wq, lw.wk, lw.wv, lw.wo, lw.w_gate, lw.w_up, lw.w_down)
+        if "matmul" in vars(self) or not all(isinstance(w, NativeWeight) for w in mats):
+            return None
+        parts = mats + (lw.attn_norm, lw.ffn_norm, lw.bq, lw.bk, lw.bv)
+        hit = self._layer_specs.get(i)
+        if hit is not None and len(hit[0]) == len(parts) and all(a is b for a, b in zip(hit[0], parts)):
+            return hit[1]
+        cfg = self._model()
+        geometry = dict(n_embd=cfg.n_embd, n_head=cfg.n_head, n_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
+                        n_ff=cfg.n_ff, rope_dim=cfg.rope_dim, neox=cfg.rope_type != "norm", eps=cfg.rms_eps)
+        biases = None if lw.bq is None else (lw.bq, lw.bk, lw.bv)
+        spec = self.kernels.layer_spec(geometry, [w.handle for w in mats], (lw.attn_norm, lw.ffn_norm), biases,
+                                       self.k_cache[i], self.v_cache[i], name=f"layer {i}")
+        self._layer_specs[i] = (parts, spec)
+        return spec
+
+    def set_model(self, cfg, n_ctx, rope_freqs) -> None:
+        super().set_model(cfg, n_ctx, rope_freqs)
+        self._layer_specs: dict[int, tuple] = {}  # the specs point into the old caches
+        self._rope_key = None
 
     def _cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """RoPE tables for `positions`; every layer of one forward asks for the same ones."""
