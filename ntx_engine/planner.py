@@ -192,11 +192,14 @@ def vram_margin(budgets: Budgets) -> int:
 
 def make_plan(spans: list[LayerSpan], head_bytes: int, cfg: ModelConfig, n_ctx: int,
               budgets: Budgets, links: Links, *, n_slots: int | None = None,
-              n_staging: int | None = None) -> Plan:
-    """The lowest-predicted-time placement that fits the budgets; PlanError when none does."""
+              n_staging: int | None = None, extra_workspace: int = 0) -> Plan:
+    """The lowest-predicted-time placement that fits the budgets; PlanError when none does.
+    extra_workspace: device memory the backend takes beyond the activations (the CUDA prefill
+    GEMM's fp16 slab and cuBLAS workspace)."""
     if n_slots is not None and n_slots < MIN_SLOTS:
         raise UsageError(f"the slot ring needs at least {MIN_SLOTS} slots, got {n_slots}")
-    plans = [_place(order, name, spans, head_bytes, cfg, n_ctx, budgets, links, n_slots, n_staging)
+    ws = workspace_bytes(cfg, n_ctx) + extra_workspace
+    plans = [_place(order, name, spans, head_bytes, cfg, n_ctx, budgets, links, n_slots, n_staging, ws)
              for name, order in _orders(spans)]
     return min(plans, key=lambda p: (round(p.predicted_token_s, 12), p.strategy != "model order"))
 
@@ -208,15 +211,16 @@ def _orders(spans: list[LayerSpan]) -> list[tuple[str, list[int]]]:
 
 def _place(order: list[int], strategy: str, spans: list[LayerSpan], head_bytes: int,
            cfg: ModelConfig, n_ctx: int, budgets: Budgets, links: Links,
-           n_slots: int | None, n_staging: int | None) -> Plan:
-    fixed = kv_cache_bytes(cfg, n_ctx) + workspace_bytes(cfg, n_ctx) + head_bytes + vram_margin(budgets)
+           n_slots: int | None, n_staging: int | None, ws: int) -> Plan:
+    fixed = kv_cache_bytes(cfg, n_ctx) + ws + head_bytes + vram_margin(budgets)
     total = sum(s.nbytes for s in spans)
     if fixed + total <= budgets.vram:  # everything fits: no ring at all
-        return _plan(spans, {i: "vram" for i in order}, 0, 0, 0, budgets, links, cfg, n_ctx, head_bytes, strategy)
+        return _plan(spans, {i: "vram" for i in order}, 0, 0, 0, budgets, links, cfg, n_ctx, head_bytes, strategy,
+                     ws)
     slot = max(s.nbytes for s in spans)
     slots = n_slots or DEFAULT_SLOTS
     if fixed + MIN_SLOTS * slot > budgets.vram:
-        _impossible(budgets, fixed, slot, cfg, n_ctx, head_bytes)
+        _impossible(budgets, fixed, slot, cfg, n_ctx, head_bytes, ws)
     slots = max(MIN_SLOTS, min(slots, (budgets.vram - fixed) // slot))
     tiers, room = {}, budgets.vram - fixed - slots * slot
     for i in order:
@@ -228,7 +232,7 @@ def _place(order: list[int], strategy: str, spans: list[LayerSpan], head_bytes: 
     best = None
     for n_cpu in counts:  # how many streamed layers the CPU computes instead (hybrid)
         plan = _split(spans, tiers, streamed, n_cpu, slots, slot, staging, budgets, links, cfg, n_ctx,
-                      head_bytes, strategy)
+                      head_bytes, strategy, ws)
         if plan is not None and (best is None or plan.predicted_token_s < best.predicted_token_s * (1 - 1e-9)):
             best = plan
     return best
@@ -240,7 +244,7 @@ def _spread(layers: list[int], n: int) -> set[int]:
 
 
 def _split(spans, tiers, streamed, n_cpu, slots, slot, staging, budgets, links, cfg, n_ctx, head_bytes,
-           strategy) -> Plan | None:
+           strategy, ws) -> Plan | None:
     """Streamed layers: n_cpu computed on the CPU (they need RAM), then pinned RAM, then storage."""
     tiers = dict(tiers)
     cpu = _spread(streamed, n_cpu)
@@ -258,11 +262,12 @@ def _split(spans, tiers, streamed, n_cpu, slots, slot, staging, budgets, links, 
     if "storage" not in tiers.values():
         staging = 0
     slots = min(slots, max(len(gpu_streamed), MIN_SLOTS if cpu else 0))  # cpu layers stream for prefill
-    return _plan(spans, tiers, slots, slot if slots else 0, staging, budgets, links, cfg, n_ctx, head_bytes, strategy)
+    return _plan(spans, tiers, slots, slot if slots else 0, staging, budgets, links, cfg, n_ctx, head_bytes, strategy,
+                 ws)
 
 
-def _plan(spans, tiers, slots, slot, staging, budgets, links, cfg, n_ctx, head_bytes, strategy) -> Plan:
-    reserves = Reserves(kv_cache_bytes(cfg, n_ctx), workspace_bytes(cfg, n_ctx), head_bytes, slots * slot,
+def _plan(spans, tiers, slots, slot, staging, budgets, links, cfg, n_ctx, head_bytes, strategy, ws) -> Plan:
+    reserves = Reserves(kv_cache_bytes(cfg, n_ctx), ws, head_bytes, slots * slot,
                         vram_margin(budgets), staging * slot, RAM_MARGIN)
     placements = [Placement(s.index, tiers[s.index], s.nbytes) for s in spans]
     plan = Plan(placements, slots, slot, staging, budgets, reserves, links, strategy, head_bytes)
@@ -272,7 +277,8 @@ def _plan(spans, tiers, slots, slot, staging, budgets, links, cfg, n_ctx, head_b
     return plan
 
 
-def _impossible(budgets: Budgets, fixed: int, slot: int, cfg: ModelConfig, n_ctx: int, head_bytes: int) -> None:
+def _impossible(budgets: Budgets, fixed: int, slot: int, cfg: ModelConfig, n_ctx: int, head_bytes: int,
+                ws: int) -> None:
     base = fixed - vram_margin(budgets) + MIN_SLOTS * slot  # everything but the margin
     if budgets.margin is not None:
         need = base + budgets.margin
@@ -281,6 +287,6 @@ def _impossible(budgets: Budgets, fixed: int, slot: int, cfg: ModelConfig, n_ctx
     raise PlanError(
         f"a VRAM budget of {fmt_bytes(budgets.vram)} cannot run this model: it needs at least "
         f"{fmt_bytes(need)} = KV cache for {n_ctx} tokens {fmt_bytes(kv_cache_bytes(cfg, n_ctx))} + "
-        f"workspaces {fmt_bytes(workspace_bytes(cfg, n_ctx))} + embeddings/head {fmt_bytes(head_bytes)} + "
+        f"workspaces {fmt_bytes(ws)} + embeddings/head {fmt_bytes(head_bytes)} + "
         f"a {MIN_SLOTS}-slot ring {fmt_bytes(MIN_SLOTS * slot)} + margin {fmt_bytes(need - base)}; "
         f"raise --vram-budget to {fmt_bytes(need)} or lower --ctx")

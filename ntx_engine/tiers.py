@@ -60,12 +60,17 @@ def plan_for(gf: Any, cfg: Any, backend: Any, ecfg: Any, n_ctx: int, *, measure_
     links = ecfg.links or UNMEASURED
     if host is None and links.cpu:
         links = dataclasses.replace(links, cpu=0.0)
-    plan = make_plan(spans, head, cfg, n_ctx, budgets, links, n_slots=ecfg.n_slots)
+    extra = 0
+    if backend.name == "cuda":
+        from ntx_engine.backends.cuda_backend import gemm_workspace_bytes
+
+        extra = gemm_workspace_bytes(cfg)
+    plan = make_plan(spans, head, cfg, n_ctx, budgets, links, n_slots=ecfg.n_slots, extra_workspace=extra)
     if (plan.streamed or measure_links) and ecfg.links is None:
         from ntx_engine.links import measure
 
         links = measure(backend, gf, ecfg.storage, host=host)
-        plan = make_plan(spans, head, cfg, n_ctx, budgets, links, n_slots=ecfg.n_slots)
+        plan = make_plan(spans, head, cfg, n_ctx, budgets, links, n_slots=ecfg.n_slots, extra_workspace=extra)
     return plan
 
 

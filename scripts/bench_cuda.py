@@ -165,7 +165,8 @@ def kernel_table(backend, l2_bytes: int = 160 << 20) -> list[dict]:
 
 
 def run(path: Path, n_prompt: int, n_decode: int, n_ctx: int, matvec: str = "fast", attn: str = "split",
-        pdl: bool | None = None, fuse=None, n_plain: int | None = None, mmq: bool | None = None) -> dict:
+        pdl: bool | None = None, fuse=None, n_plain: int | None = None, mmq: bool | None = None,
+        gemm: str | None = None, prefill_chunk: int = 256) -> dict:
     """One model, one kernel variant (fuse: CudaBackend's, e.g. "all" or "none"); n_plain: decode
     tokens without the graph (default n_decode)."""
     from ntx_engine.backends.cuda_backend import CudaBackend
@@ -174,7 +175,7 @@ def run(path: Path, n_prompt: int, n_decode: int, n_ctx: int, matvec: str = "fas
     from ntx_engine.gguf import GGUFFile
     from ntx_engine.model import Transformer, WeightLoader
 
-    b = CudaBackend(matvec=matvec, attn=attn, pdl=pdl, fuse=fuse, mmq=mmq)
+    b = CudaBackend(matvec=matvec, attn=attn, pdl=pdl, fuse=fuse, mmq=mmq, gemm=gemm)
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
     t0 = time.perf_counter()
@@ -185,8 +186,8 @@ def run(path: Path, n_prompt: int, n_decode: int, n_ctx: int, matvec: str = "fas
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, n_prompt)
 
     def prefill():
-        for s in range(0, n_prompt, 256):
-            model.forward(prompt[s:s + 256], s)
+        for s in range(0, n_prompt, prefill_chunk):
+            model.forward(prompt[s:s + prefill_chunk], s)
 
     prefill()  # warm-up: module load, pool buffers
     pre_s = timed(prefill, b)
@@ -213,6 +214,7 @@ def run(path: Path, n_prompt: int, n_decode: int, n_ctx: int, matvec: str = "fas
     kv = 2 * cfg.n_layers * (n_prompt + n_decode // 2) * cfg.kv_dim * 2  # f16 K and V read, mean context
     tok_s = n_decode / graph_s
     return dict(model=str(path.name), matvec=matvec, attn=attn, pdl=b.k.pdl, fuse=sorted(b.fuse), mmq=b.mmq,
+                gemm=bool(b._cublas), prefill_chunk=prefill_chunk,
                 device=b.device.name, arch=b.device.arch, n_layers=cfg.n_layers,
                 weights_gb=total / 1e9, bytes_per_token_gb=(per_tok + kv) / 1e9, load_s=load_s,
                 prefill_tokens=n_prompt, prefill_tok_s=n_prompt / pre_s,

@@ -6,10 +6,11 @@ JSON out and a short table last (the form the lent-GPU runs record in docs/bench
     python scripts/bench_engine.py --synthetic llama3-8b:q4_k_m llama3-8b:q8_0 \\
         --variant fast/split/pdl fast/split staged/single --json out.json
 
-A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq]: MATVEC fast|staged|direct, ATTN split|single,
-pdl = Hopper programmatic dependent launch, fuse = the fused kernels (all, or the named ones of
-cuda_backend.FUSIONS: qkv, ffn, rope, norm; without it, none), mmq = prefill matmuls on the int8
-tensor cores (mmq.cu). Each (model, variant) is
+A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm]: MATVEC fast|staged|direct, ATTN
+split|single, pdl = Hopper programmatic dependent launch, fuse = the fused kernels (all, or the named
+ones of cuda_backend.FUSIONS: qkv, ffn, rope, norm; without it, none), mmq = prefill matmuls on the
+int8 tensor cores (mmq.cu), gemm / nogemm = prefill matmuls as fp16 cuBLAS GEMMs (dequant.cu) or not
+(neither: the backend's default, NTX_CUDA_GEMM). --prefill-chunk: tokens per prefill pass. Each (model, variant) is
 bench_cuda.run (its docstring says how bytes per token and the bound are counted).
 --kernels adds bench_cuda.kernel_table: each decode kernel's own GPU time at 8B shapes.
 """
@@ -25,23 +26,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def parse_variant(text: str) -> tuple[str, str, bool, str, bool]:
+def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None]:
     parts = text.split("/")
     flags = {f.split("=")[0]: f for f in parts[2:]}
     fuse = flags.get("fuse", "none")
     fuse = "all" if fuse == "fuse" else fuse.removeprefix("fuse=").replace("+", ",")
     if len(parts) < 2 or parts[0] not in ("fast", "staged", "direct") or parts[1] not in ("split", "single") \
-            or not set(flags) <= {"pdl", "fuse", "mmq"}:
+            or not set(flags) <= {"pdl", "fuse", "mmq", "gemm", "nogemm"}:
         raise argparse.ArgumentTypeError(f"variant {text!r}: expected MATVEC/ATTN[/pdl][/fuse[=A+B]][/mmq], "
                                          "e.g. fast/split/pdl/fuse")
-    return parts[0], parts[1], "pdl" in flags, fuse, "mmq" in flags
+    gemm = "1" if "gemm" in flags else "0" if "nogemm" in flags else None
+    return parts[0], parts[1], "pdl" in flags, fuse, "mmq" in flags, gemm
 
 
 def table(results: list[dict], top: int = 8) -> str:
     lines = []
     for r in results:
         lines.append(f"{r['model']} {r['matvec']}/{r['attn']}{'/pdl' if r['pdl'] else ''}{'/fuse=' + '+'.join(r['fuse']) if r['fuse'] else ''}"
-                     f"{'/mmq' if r.get('mmq') else ''}: "
+                     f"{'/mmq' if r.get('mmq') else ''}{'/gemm' if r.get('gemm') else ''}: "
                      f"decode {r['decode_tok_s_graph']:.1f} tok/s (plain {r['decode_tok_s_plain']:.1f}), "
                      f"{r['achieved_gb_s']:.0f} GB/s = {100 * r['fraction_of_bound']:.1f} % of bound "
                      f"({r['hbm_bound_tok_s']:.0f} tok/s); prefill {r['prefill_tok_s']:.0f} tok/s; "
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--synthetic", nargs="*", default=[], help="SHAPE:MIX[:LAYERS] ...")
-    ap.add_argument("--variant", nargs="+", type=parse_variant, default=[("fast", "split", True, "none", False)])
+    ap.add_argument("--variant", nargs="+", type=parse_variant, default=[("fast", "split", True, "none", False, None)])
+    ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--n-ctx", type=int, default=1024)
@@ -77,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             a.json.write_text(json.dumps({"kernels": kernels, "runs": results}, indent=1) + "\n")
     for spec in a.synthetic:
         path = bench_cuda.synthetic_model(spec, a.workdir)
-        for matvec, attn, pdl, fuse, mmq in a.variant:
-            results.append(bench_cuda.run(path, a.prompt, a.decode, a.n_ctx, matvec, attn, pdl, fuse, a.plain, mmq))
+        for matvec, attn, pdl, fuse, mmq, gemm in a.variant:
+            results.append(bench_cuda.run(path, a.prompt, a.decode, a.n_ctx, matvec, attn, pdl, fuse, a.plain, mmq,
+                                          gemm=gemm, prefill_chunk=a.prefill_chunk))
             print(table(results[-1:], top=0), flush=True)
             if a.json:  # after every run, so a time-out still leaves the finished ones
                 a.json.write_text(json.dumps({"kernels": kernels, "runs": results}, indent=1) + "\n")

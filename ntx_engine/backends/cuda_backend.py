@@ -30,7 +30,20 @@ from ntx_engine.config import ROPE_NEOX, ModelConfig
 from ntx_engine.quants import GGMLType
 
 FUSIONS = ("qkv", "ffn", "rope", "norm")
+# prefill GEMM (dequant.cu + cuBLAS): a matmul of at least GEMM_MIN_TOKENS rows decodes the weight
+# to fp16 in slabs of at most GEMM_SLAB_BYTES and runs one tensor-core GEMM per slab
+GEMM_MIN_TOKENS = 32
+GEMM_SLAB_BYTES = 128 << 20
+GEMM_TYPES = frozenset(KERNEL_TYPES) - {GGMLType.F32, GGMLType.BF16}  # fp16 holds these exactly or as ggml rounds
 DEFAULT_FUSE = "all"  # tests/cuda/test_fused_gpu.py passed on the H200: fused == unfused, bit for bit
+
+
+def gemm_workspace_bytes(cfg: ModelConfig) -> int:
+    """Device memory the prefill GEMM takes: the fp16 weight slab plus cuBLAS's workspace."""
+    from ntx_engine.backends.cublas import WORKSPACE_BYTES
+
+    largest = max(cfg.n_ff * cfg.n_embd, cfg.q_dim * cfg.n_embd, cfg.n_embd * cfg.n_embd)
+    return min(GEMM_SLAB_BYTES, 2 * largest) + WORKSPACE_BYTES
 
 
 def parse_fusions(fuse) -> frozenset:
@@ -66,7 +79,7 @@ class CudaBackend:
 
     def __init__(self, matmul_mode: str = "ggml", kv_dtype: str = "f16", device: int = 0,
                  cache_dir=None, matvec: str | None = None, attn: str | None = None,
-                 pdl: bool | None = None, fuse=None, mmq: bool | None = None) -> None:
+                 pdl: bool | None = None, fuse=None, mmq: bool | None = None, gemm: str | None = None) -> None:
         if matmul_mode not in ("ggml", "exact"):
             raise ValueError(f"matmul_mode must be 'ggml' or 'exact', got {matmul_mode!r}")
         if kv_dtype != "f16":
@@ -85,6 +98,14 @@ class CudaBackend:
         # mmq: matmuls of more than MATVEC_MAX_TOKENS rows on the int8 tensor cores (mmq.cu; opt-in,
         # NTX_CUDA_MMQ=1, until tests/cuda/test_mmq_gpu.py has passed on a GPU)
         self.mmq = mmq if mmq is not None else os.environ.get("NTX_CUDA_MMQ", "0") == "1"
+        # gemm: prefill-sized matmuls as fp16 tensor-core GEMMs through cuBLAS (see GEMM_*);
+        # NTX_CUDA_GEMM=auto (default: on when cuBLAS loads), 1 (required), 0 (off)
+        self.gemm = gemm if gemm is not None else os.environ.get("NTX_CUDA_GEMM", "auto")
+        if self.gemm not in ("auto", "1", "0"):
+            raise UsageError(f"NTX_CUDA_GEMM must be auto, 1 or 0, not {self.gemm!r}")
+        self._cublas = None
+        self._gemm_ws: tuple | None = None  # (slab fp16 DeviceArray, cuBLAS workspace DeviceArray)
+        self._f16_cache: tuple | None = None  # (x, (xh, scales)) while x feeds several GEMMs
         # "norm": the fused rmsnorm also quantizes its output in the format the fast matmuls fed
         # by the same norm weight asked for before (_norm_keys: norm weight ptr -> act-cache key)
         self._norm_keys: dict[int, tuple] = {}
@@ -142,6 +163,9 @@ class CudaBackend:
         if k != w.shape[1]:
             raise ValueError(f"{w.name}: cannot multiply {x.shape} by weight {w.shape}")
         y = self._new(n, rows)
+        if self._uses_gemm(w, n):
+            self._gemm(w, x, y)
+            return y
         if self._uses_mmq(w, n):
             xq, (xd, xs) = self._int8_activations(w, x)
             self.k.mmq(w.ggml_type, w.data, xq, xd, xs, y, rows, k, n, self.stream)
@@ -166,7 +190,7 @@ class CudaBackend:
         self.flush()
         n, k = x.shape
         if "qkv" not in self.fuse or not self._fusable(ws, k) or len(ws) > 3 \
-                or any(self._uses_mmq(w, n) for w in ws):
+                or any(self._uses_mmq(w, n) or self._uses_gemm(w, n) for w in ws):
             return [self.matmul(w, x) for w in ws]
         xq, (xd, xs) = self._int8_activations(ws[0], x)
         ys = [self._new(n, w.shape[0]) for w in ws]
@@ -182,7 +206,7 @@ class CudaBackend:
         self.flush()
         n, k = x.shape
         if "ffn" not in self.fuse or not self._fusable((w_gate, w_up), k) or w_gate.shape != w_up.shape \
-                or self._uses_mmq(w_gate, n):
+                or self._uses_mmq(w_gate, n) or self._uses_gemm(w_gate, n) or self._uses_gemm(w_up, n):
             return self.swiglu(self.matmul(w_gate, x), self.matmul(w_up, x))
         xq, (xd, xs) = self._int8_activations(w_gate, x)
         rows = w_gate.shape[0]
@@ -203,6 +227,61 @@ class CudaBackend:
         if self._last_norm is not None and x is self._last_norm[0]:
             self._norm_keys[self._last_norm[1]] = (w.vec_dot_type, w.has_min, True)
         return self._activations(w, x, int8=True)
+
+    def _uses_gemm(self, w: CudaWeight, n: int) -> bool:
+        """Prefill-sized x through cuBLAS, unless mmq was asked for or cuBLAS is off/missing."""
+        if n < GEMM_MIN_TOKENS or self.gemm == "0" or w.ggml_type not in GEMM_TYPES or self._uses_mmq(w, n):
+            return False
+        return self._cublas_handle() is not None
+
+    def _cublas_handle(self):
+        """The cuBLAS handle, created on first use; None when it is missing and gemm is auto."""
+        if self._cublas is None:
+            from ntx_engine.backends.cublas import WORKSPACE_BYTES, Cublas
+            from ntx_common.errors import CudaError
+
+            try:
+                ws = self._new(WORKSPACE_BYTES, dtype=np.uint8)
+                self._cublas = Cublas(int(self.stream.handle), ws.ptr, ws.nbytes)
+                self._cublas_ws = ws
+            except CudaError as exc:
+                if self.gemm == "1":
+                    raise
+                from ntx_common.console import warn
+
+                warn(f"prefill runs without tensor-core GEMMs: {exc}")
+                self._cublas = False
+        return self._cublas or None
+
+    def _gemm(self, w: CudaWeight, x: DeviceArray, y: DeviceArray) -> None:
+        """y = x . w^T: x to fp16 with per-row power-of-two scales, w decoded to fp16 slab by slab
+        (F16 weights are used in place), one cuBLAS GEMM per slab, then the scales put back."""
+        n, k = x.shape
+        rows = w.shape[0]
+        if self._f16_cache is not None and self._f16_cache[0] is x:
+            xh, scales = self._f16_cache[1]
+        else:
+            xh, scales = self._new(n, k, dtype=np.float16), self._new(n)
+            self.k.to_f16_rows(x, xh, scales, self.stream)
+            self._f16_cache = (x, (xh, scales))
+        cublas = self._cublas_handle()
+        if w.ggml_type == GGMLType.F16:
+            cublas.gemm_f16(w.data.ptr, xh.ptr, y.ptr, rows, n, k, rows)
+        else:
+            slab = self._slab()
+            step = max(1, slab.nbytes // (2 * k))
+            row_bytes = w.data.nbytes // rows
+            for r0 in range(0, rows, step):
+                m = min(step, rows - r0)
+                src = DeviceArray(self.pool, (m * row_bytes,), np.uint8, base=w.data, ptr=w.data.ptr + r0 * row_bytes)
+                self.k.dequant_f16(w.ggml_type, src, slab, m, k, self.stream)
+                cublas.gemm_f16(slab.ptr, xh.ptr, y.ptr + 4 * r0, m, n, k, rows)
+        self.k.scale_rows(y, scales, self.stream)
+
+    def _slab(self) -> DeviceArray:
+        if self._gemm_ws is None:
+            self._gemm_ws = self._new(gemm_workspace_bytes(self._model()) - self._cublas_ws.nbytes, dtype=np.uint8)
+        return self._gemm_ws
 
     def _uses_mmq(self, w: CudaWeight, n: int) -> bool:
         """Prefill-sized x (more than one _n8 slice) on the tensor-core kernel (opt-in)."""
@@ -359,6 +438,7 @@ class CudaBackend:
         self.k_cache = [self._new(n_ctx, cfg.kv_dim, dtype=np.float16) for _ in range(cfg.n_layers)]
         self.v_cache = [self._new(n_ctx, cfg.kv_dim, dtype=np.float16) for _ in range(cfg.n_layers)]
         self._pending, self._last_norm, self._act_cache = None, None, None
+        self._f16_cache, self._gemm_ws = None, None  # the slab is sized from this model's shapes
         self.pos_buf = self._new(n_ctx, dtype=np.int32)
         self.ids_buf = self._new(n_ctx, dtype=np.int32)
         self._staged = None

@@ -118,6 +118,20 @@ class Kernels:
         self._go("mmq.cu", f"mmq_{MMQ_TYPES[t]}", (_cdiv(rows, MMQ_TILE), _cdiv(n, MMQ_TILE)), (128,),
                  (w, xq, xd, xs, y, rows, k, n), stream)
 
+    def dequant_f16(self, t: GGMLType, w: DeviceArray, out: DeviceArray, rows: int, k: int, stream: Stream) -> None:
+        """out (rows, k) fp16 = the first rows of w decoded (dequant.cu; pointers already offset)."""
+        units = rows * (k // 32)
+        self._go("dequant.cu", f"dequant_f16_{KERNEL_TYPES[t]}", (_cdiv(units, 128),), (128,), (w, out, rows, k), stream)
+
+    def to_f16_rows(self, x: DeviceArray, xh: DeviceArray, scales: DeviceArray, stream: Stream) -> None:
+        """xh (n, k) fp16 = x / scales[t] per row, scales a power of two keeping fp16 finite."""
+        n, k = x.shape
+        self._go("dequant.cu", "to_f16_rows", (n,), (256,), (x, xh, scales, k), stream)
+
+    def scale_rows(self, y: DeviceArray, scales: DeviceArray, stream: Stream) -> None:
+        n, rows = y.shape
+        self._go("dequant.cu", "scale_rows", (n,), (256,), (y, scales, rows), stream)
+
     def matvec_multi(self, ws: list, xq: DeviceArray, xd: DeviceArray, xs: DeviceArray, ys: list, k: int, n: int,
                      stream: Stream) -> None:
         """ys[i] (n, rows_i) = x . ws[i]^T for up to three (data, type, rows) weights sharing the

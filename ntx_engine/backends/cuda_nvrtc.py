@@ -14,7 +14,7 @@ from pathlib import Path
 from ntx_common.errors import CudaError
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "native" / "cuda"
-SOURCES = ("matvec.cu", "matvec_fast.cu", "fused.cu", "mmq.cu", "ops.cu", "attention.cu")
+SOURCES = ("matvec.cu", "matvec_fast.cu", "fused.cu", "mmq.cu", "dequant.cu", "ops.cu", "attention.cu")
 OPTIONS = ("-std=c++17", "-default-device", "-lineinfo")
 # the dp4a matvec's launch-shape macros (NTX_G_*, NTX_FAST_WARPS, NTX_FAST_MINB; matvec_fast.cuh)
 # can be set for a tuning run with NTX_CUDA_DEFINES="-DNAME=VALUE ..."; they apply to these only

@@ -104,3 +104,31 @@ def test_compile_error_carries_the_log(tmp_path):
         cuda_nvrtc.compile_cubin("broken.cu", "sm_90", tmp_path)
     assert "nvrtcCompileProgram(broken.cu, sm_90)" in str(exc.value)
     assert "undefined_name" in str(exc.value)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_prefill_gemm_kernels_present(arch):
+    """dequant.cu: an fp16 decoder for every weight type the GEMM path takes, and the activation
+    conversion / scale kernels around the cuBLAS call."""
+    from ntx_engine.backends.cuda_backend import GEMM_TYPES
+    from ntx_engine.backends.cuda_kernels import KERNEL_TYPES
+
+    cubin, _ = cuda_nvrtc.compile_cubin("dequant.cu", arch)
+    for t in GEMM_TYPES:
+        assert f"dequant_f16_{KERNEL_TYPES[t]}".encode() + b"\0" in cubin, f"dequant_f16 for {t.name} missing"
+    for kernel in ("to_f16_rows", "scale_rows"):
+        assert kernel.encode() + b"\0" in cubin, f"{kernel} missing from the cubin"
+
+
+def test_missing_cublas_is_a_clear_error(monkeypatch):
+    """Without libcublas the error names the package to install and the switch to go without."""
+    import cuda.pathfinder
+
+    from ntx_engine.backends import cublas
+
+    def not_found(name):
+        raise cuda.pathfinder.DynamicLibNotFoundError(f"{name} not found")
+
+    monkeypatch.setattr(cuda.pathfinder, "load_nvidia_dynamic_lib", not_found)
+    with pytest.raises(CudaError, match=r"ntx\[cuda\].*NTX_CUDA_GEMM=0"):
+        cublas.load_library()

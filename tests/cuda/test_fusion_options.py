@@ -27,9 +27,10 @@ def test_bench_variants():
     from tests.cuda.conftest import _load_script
 
     be = _load_script("bench_engine")
-    assert be.parse_variant("fast/split/pdl") == ("fast", "split", True, "none", False)
-    assert be.parse_variant("fast/split/pdl/fuse/mmq") == ("fast", "split", True, "all", True)
-    assert be.parse_variant("staged/single/fuse=qkv+ffn") == ("staged", "single", False, "qkv,ffn", False)
+    assert be.parse_variant("fast/split/pdl") == ("fast", "split", True, "none", False, None)
+    assert be.parse_variant("fast/split/pdl/fuse/mmq") == ("fast", "split", True, "all", True, None)
+    assert be.parse_variant("staged/single/fuse=qkv+ffn") == ("staged", "single", False, "qkv,ffn", False, None)
+    assert be.parse_variant("fast/split/fuse/gemm")[-1] == "1" and be.parse_variant("fast/split/nogemm")[-1] == "0"
     with pytest.raises(argparse.ArgumentTypeError):
         be.parse_variant("fast/split/turbo")
 
