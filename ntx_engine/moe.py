@@ -113,13 +113,16 @@ class NumpyMoe:
     def route(self, logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
         return route(logits, k, norm)
 
-    def routed(self, w: Experts, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    def routed(self, w: Experts, x: np.ndarray, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """y (n, k_used, rows): token t's slot s through expert ids[t, s]. x is (n, k) (the same
-        input for every slot: gate/up) or (n, k_used, k) (one input per slot: down)."""
+        input for every slot: gate/up) or (n, k_used, k) (one input per slot: down). With `out`,
+        entries whose id is negative are left as they are (the expert cache fills y in groups)."""
         n, used = ids.shape
         xs = x if x.ndim == 3 else np.broadcast_to(x[:, None, :], (n, used, x.shape[-1]))
-        y = np.empty((n, used, w.where.rows), np.float32)
+        y = np.empty((n, used, w.where.rows), np.float32) if out is None else out
         for e in np.unique(ids):  # one matmul per selected expert over all its tokens
+            if e < 0:
+                continue
             t, s = np.nonzero(ids == e)
             y[t, s] = self.b.matmul(w.data[int(e)], np.ascontiguousarray(xs[t, s]))
         return y
@@ -151,13 +154,19 @@ class MoeWeightLoader(WeightLoader):
         self.ops = make_ops(backend)
 
     def experts(self, name: str, rows: int, k: int) -> Experts:
-        c = self.cfg
-        info = self._info(name, (c.n_expert, rows, k))
-        where = ExpertTensor(name, info.ggml_type, c.n_expert, rows, k, info.offset)
+        where = self.expert_location(name, rows, k).where
         return Experts(where, self.ops.experts(self.gf.tensor_data(name), where))
 
-    def layer(self, i: int) -> MoeLayerWeights:
+    def expert_location(self, name: str, rows: int, k: int) -> Experts:
+        """The tensor's place in the file, checked, without its bytes."""
+        info = self._info(name, (self.cfg.n_expert, rows, k))
+        return Experts(ExpertTensor(name, info.ggml_type, self.cfg.n_expert, rows, k, info.offset), None)
+
+    def layer(self, i: int, experts: bool = True) -> MoeLayerWeights:
+        """Layer i; experts=False leaves the expert tensors' bytes out (`Experts.data` None):
+        the expert offload (moe_offload.py) keeps them in RAM and a VRAM cache."""
         c, p = self.cfg, f"blk.{i}."
+        make = self.experts if experts else self.expert_location
         if p + "ffn_gate.0.weight" in self.gf.tensors:
             raise ModelError(f"{self.gf.path}: layer {i} stores its experts as separate 2-D tensors (an old "
                              "Mixtral conversion); re-convert it with a current llama.cpp convert_hf_to_gguf.py")
@@ -174,9 +183,9 @@ class MoeWeightLoader(WeightLoader):
             bk=self.vector(p + "attn_k.bias", c.kv_dim, optional=True),
             bv=self.vector(p + "attn_v.bias", c.kv_dim, optional=True),
             router=self.matrix(p + "ffn_gate_inp.weight", c.n_expert, c.n_embd),
-            gate_exps=self.experts(p + "ffn_gate_exps.weight", c.n_ff_exp, c.n_embd),
-            up_exps=self.experts(p + "ffn_up_exps.weight", c.n_ff_exp, c.n_embd),
-            down_exps=self.experts(p + "ffn_down_exps.weight", c.n_embd, c.n_ff_exp),
+            gate_exps=make(p + "ffn_gate_exps.weight", c.n_ff_exp, c.n_embd),
+            up_exps=make(p + "ffn_up_exps.weight", c.n_ff_exp, c.n_embd),
+            down_exps=make(p + "ffn_down_exps.weight", c.n_embd, c.n_ff_exp),
             shexp_gate=self._gate_row(p + "ffn_gate_inp_shexp.weight") if shared else None,
             w_gate_shexp=self.matrix(p + "ffn_gate_shexp.weight", c.n_ff_shexp, c.n_embd) if shared else None,
             w_up_shexp=self.matrix(p + "ffn_up_shexp.weight", c.n_ff_shexp, c.n_embd) if shared else None,
@@ -211,14 +220,18 @@ class MoeTransformer(Transformer):
         super().__init__(cfg, weights, backend, n_ctx)
         self.moe = make_ops(backend)
         self.on_route: Callable[[int, Any], None] | None = None
+        self.offload: Any = None  # moe_offload.ExpertOffload when the experts are not resident
 
     def ffn(self, i: int, lw: MoeLayerWeights, h: Any) -> Any:
         b, m, c = self.backend, self.moe, self.cfg
         ids, weights = m.route(b.matmul(lw.router, h), c.n_expert_used, c.expert_weights_norm)
         if self.on_route is not None:
             self.on_route(i, ids)
-        act = b.swiglu(m.routed(lw.gate_exps, h, ids), m.routed(lw.up_exps, h, ids))  # (n, k_used, n_ff_exp)
-        down = m.routed(lw.down_exps, act, ids)  # (n, k_used, n_embd)
+        if self.offload is not None:  # experts in RAM: the VRAM cache or the CPU computes them
+            down = self.offload.routed(i, h, ids)
+        else:
+            act = b.swiglu(m.routed(lw.gate_exps, h, ids), m.routed(lw.up_exps, h, ids))  # (n, k_used, n_ff_exp)
+            down = m.routed(lw.down_exps, act, ids)  # (n, k_used, n_embd)
         if lw.w_up_shexp is None:
             return m.combine(down, weights)
         shared = b.matmul(lw.w_down_shexp, b.swiglu(b.matmul(lw.w_gate_shexp, h), b.matmul(lw.w_up_shexp, h)))

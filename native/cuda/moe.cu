@@ -73,7 +73,8 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __re
 // Y (n, n_used, rows) = for token t (grid z) and slot s (grid y): W[ids[t, s]] (rows, k) . x^T,
 // x = X_hat row t (x_per_slot == 0: gate/up share the token's input) or row t*n_used + s (down:
 // one input per slot). X_hat is already quantized to the weight's vec_dot_type; S holds the
-// per-32 Q8_1 sums for the types with a block minimum. One warp per output row.
+// per-32 Q8_1 sums for the types with a block minimum. One warp per output row. A negative id skips
+// (t, s): the VRAM expert cache (moe_offload.py) passes cache-slot indices, one group at a time.
 template <class T>
 __device__ void moe_matvec_body(const uint8_t* __restrict__ W, const float* __restrict__ X,
                                 const float* __restrict__ S, const int* __restrict__ ids,
@@ -85,6 +86,7 @@ __device__ void moe_matvec_body(const uint8_t* __restrict__ W, const float* __re
     const int nb = k / T::QK, units = nb * T::UNITS;
     const size_t row_bytes = (size_t)nb * T::BYTES;
     const int e = ids[(size_t)t * n_used + slot];
+    if (e < 0) return;  // the expert cache computes a layer's experts in groups: not this group's
     const uint8_t* wrow = W + ((size_t)e * rows + row) * row_bytes;
     const size_t xr = x_per_slot ? (size_t)t * n_used + slot : (size_t)t;
     const float* x = X + xr * k;

@@ -71,15 +71,16 @@ class CudaMoe:
         self._go("moe_route", (n,), (32,), (logits, ids, w, n_expert, k, int(norm)))
         return ids, w
 
-    def routed(self, w: Any, x: DeviceArray, ids: DeviceArray) -> DeviceArray:
-        """y (n, k_used, rows); x (n, k) shared by the slots, or (n, k_used, k) one per slot."""
+    def routed(self, w: Any, x: DeviceArray, ids: DeviceArray, out: DeviceArray | None = None) -> DeviceArray:
+        """y (n, k_used, rows); x (n, k) shared by the slots, or (n, k_used, k) one per slot.
+        With `out`, entries whose id is negative are left as they are (expert cache groups)."""
         ex: CudaExperts = w.data
         n, used = ids.shape
         rows, k = ex.where.rows, ex.where.k
         per_slot = len(x.shape) == 3
         x2 = x.reshape(n * used, k) if per_slot else x  # gate/up pass h itself: its quantization is reused
         xq, s = self.b._activations(ex, x2)
-        y = self.b._new(n, used, rows)
+        y = self.b._new(n, used, rows) if out is None else out
         self._go(f"moe_matvec_{KERNEL_TYPES[ex.ggml_type]}", (_cdiv(rows, WARPS), used, n), (32 * WARPS,),
                  (ex.data, xq, s, ids, y, rows, k, used, int(per_slot)))
         return y
@@ -91,3 +92,70 @@ class CudaMoe:
         self._go("moe_combine", (_cdiv(d, COMBINE_THREADS), n), (COMBINE_THREADS,),
                  (y, weights, shared, shared_gate, out, used, d))
         return out
+
+
+class CudaExpertSlots:
+    """The VRAM expert cache's storage: per projection one (n_slots, rows, k) tensor of GGUF
+    blocks, so `moe_matvec_<type>` reads cache slot j where it would read expert j. A fill is
+    copied on its own stream; compute waits for the fill's event, and the next fill of a slot
+    waits for the compute that last read it."""
+
+    def __init__(self, backend: Any, n_slots: int, wheres: tuple) -> None:
+        from ntx_engine.backends.cuda_driver import Event, Stream
+
+        self.b, self.n_slots = backend, n_slots
+        self.wheres = [_slot_where(w, n_slots) for w in wheres]
+        self.arrays = [DeviceArray(backend.pool, (n_slots * w.expert_nbytes,), np.uint8) for w in self.wheres]
+        self.experts = [CudaExperts(a, w) for a, w in zip(self.arrays, self.wheres)]
+        self.copy_stream = Stream()
+        self.copied = [Event() for _ in range(n_slots)]
+        self.freed = [Event() for _ in range(n_slots)]
+        self._filled: set[int] = set()
+
+    def fill(self, slot: int, parts: tuple) -> None:
+        """parts: the expert's gate, up, down bytes (pinned host views)."""
+        from ntx_engine.backends.cuda_driver import check, driver
+
+        drv, cs = driver(), self.copy_stream.handle
+        check(drv.cuStreamWaitEvent(cs, self.freed[slot].handle, 0), "cuStreamWaitEvent(expert slot free)")
+        for arr, where, src in zip(self.arrays, self.wheres, parts):
+            n = where.expert_nbytes
+            if src.nbytes != n:
+                raise ModelError(f"{where.name}: expert of {src.nbytes} bytes for a {n}-byte cache slot")
+            check(drv.cuMemcpyHtoDAsync(arr.ptr + slot * n, src.ctypes.data, n, cs),
+                  f"cuMemcpyHtoDAsync(expert slot {slot}, {n} bytes)")
+        self.copied[slot].record(self.copy_stream)
+        self._filled.add(slot)
+
+    def before_compute(self, slots) -> None:
+        from ntx_engine.backends.cuda_driver import check, driver
+
+        for s in slots:
+            if s in self._filled:  # wait once for each fill
+                check(driver().cuStreamWaitEvent(self.b.stream.handle, self.copied[s].handle, 0),
+                      "cuStreamWaitEvent(expert slot copied)")
+                self._filled.discard(s)
+
+    def after_compute(self, slots) -> None:
+        self.b.flush()
+        for s in slots:
+            self.freed[s].record(self.b.stream)
+
+    def wait_copies(self) -> None:
+        """The host may reuse a staging buffer only after the copies out of it have finished."""
+        self.copy_stream.synchronize()
+
+    def ids(self, slot_ids: np.ndarray) -> DeviceArray:
+        return upload(self.b.pool, np.ascontiguousarray(slot_ids, np.int32), self.b.stream)
+
+    def close(self) -> None:
+        self.copy_stream.synchronize()
+        self.b.stream.synchronize()
+        self.arrays, self.experts = [], []
+
+
+def _slot_where(where: Any, n_slots: int) -> Any:
+    """The ExpertTensor of a slot array: the file tensor's type and shape, n_slots experts."""
+    import dataclasses
+
+    return dataclasses.replace(where, n_expert=n_slots, offset=0)

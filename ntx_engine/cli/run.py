@@ -41,6 +41,9 @@ def run(
     tiers: Annotated[str, typer.Option("--tiers", help="auto, or mmap-baseline: the naive synchronous per-layer copy benchmarks compare against.")] = "auto",
     slots: Annotated[Optional[int], typer.Option("--slots", min=2, help="VRAM ring slots for streamed layers (default: the planner's).")] = None,
     hybrid: Annotated[str, typer.Option("--hybrid", help="auto: next to a GPU, the planner may compute some non-resident layers on the CPU (native kernels) while others stream; off: never.")] = "auto",
+    expert_cache: Annotated[str, typer.Option("--expert-cache", help="MoE models whose experts are offloaded: the VRAM expert cache's policy, lru or lfu (frequency with aging).")] = "lru",
+    expert_slots: Annotated[Optional[int], typer.Option("--expert-slots", help="MoE: expert cache slots (default: what the VRAM budget leaves); giving it forces the expert offload.")] = None,
+    moe_experts: Annotated[str, typer.Option("--moe-experts", help="MoE offloaded experts computed on: auto (the planner picks from measured links), gpu (VRAM expert cache), cpu (native CPU kernels from RAM).")] = "auto",
     plan: Annotated[bool, typer.Option("--plan", help="Print the layer placement and the predicted speed; do not generate.")] = False,
     calibrate_skip: Annotated[bool, typer.Option("--calibrate-skip", help="Measure each layer's input/output cosine similarity on a calibration text and store the profile next to the model; do not generate.")] = False,
     skip_threshold: Annotated[Optional[float], typer.Option("--skip-threshold", help="Skip layers whose calibrated similarity exceeds this (never the first or last quarter).")] = None,
@@ -61,6 +64,7 @@ def run(
                       system=system, raw=raw, device=device, ctx=ctx, json=json_out, report=report,
                       vram_budget=vram_budget, ram_budget=ram_budget, storage=storage, tiers=tiers, slots=slots,
                       hybrid=hybrid)
+    opts = dataclasses.replace(opts, expert_cache=expert_cache, expert_slots=expert_slots, moe_experts=moe_experts)
     opts = dataclasses.replace(opts, skip_threshold=skip_threshold, skip_layers=skip_layers, speculate=speculate,
                                draft_model=draft_model, draft_layers=draft_layers)
     if calibrate_skip or eval_ppl is not None:  # quality tools: no prompt, no generation

@@ -42,6 +42,9 @@ class RunOptions:
     speculate: Optional[str] = None  # --speculate k|auto, --draft-model, --draft-layers: speculative.py
     draft_model: Optional[Path] = None
     draft_layers: Optional[int] = None
+    expert_cache: str = "lru"  # MoE expert offload: moe_offload.py
+    expert_slots: Optional[int] = None
+    moe_experts: str = "auto"
 
     def engine_config(self) -> EngineConfig:
         from ntx_engine.planner import parse_size
@@ -53,7 +56,9 @@ class RunOptions:
                 raise ValueError(f"--hybrid must be auto or off, got {self.hybrid!r}")
             return EngineConfig(device=self.device, n_ctx=self.ctx, vram_budget=vram, ram_budget=ram,
                                 storage=self.storage, tiers=self.tiers, n_slots=self.slots,
-                                host_device=None if self.hybrid == "auto" else "none")
+                                host_device=None if self.hybrid == "auto" else "none",
+                                expert_cache=self.expert_cache, expert_slots=self.expert_slots,
+                                moe_experts=self.moe_experts)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
 
@@ -86,6 +91,8 @@ def run_plan(opts: RunOptions) -> dict[str, Any] | None:
     if opts.json:
         return plan.as_dict()
     render(plan, out)
+    for line in getattr(plan, "describe", lambda: [])():  # MoE expert offload
+        out.print(line)
     return None
 
 
@@ -120,6 +127,16 @@ def stats_line(stats: GenerationStats) -> str:
             f"stop: {stats.stop_reason}")
 
 
+def expert_line(st: dict) -> str:
+    """The MoE expert offload's counters for the stats line."""
+    c = st["cache"]
+    cache = (f"expert cache {st['policy']} {st['slots']} slots: hit rate {c['hit_rate'] or 0:.2f} "
+             f"({c['hits']} hits, {c['misses']} misses, {c['evictions']} evictions)" if c else "no expert cache")
+    per_tok = st["h2d_bytes_per_token"]
+    return (f"{cache}; experts on GPU in {st['layers_gpu']} layers, CPU in {st['layers_cpu']}; "
+            f"{(per_tok or 0) / 1e6:.1f} MB/token copied")
+
+
 def run_once(opts: RunOptions, prompt: str) -> dict[str, Any] | None:
     engine = load_engine(opts)
     try:
@@ -127,6 +144,8 @@ def run_once(opts: RunOptions, prompt: str) -> dict[str, Any] | None:
         gen, speed = speedups(engine, opts)
         stats = stream(engine, ids, opts, echo=not opts.json, gen=gen)
         err.print(f"[dim]{stats_line(stats)}[/]")
+        if getattr(engine.model, "offload", None) is not None:
+            err.print(f"[dim]{expert_line(engine.model.offload.stats())}[/]")
         if opts.report is not None:
             _write_report(engine, stats, opts.report)
         if not opts.json:
