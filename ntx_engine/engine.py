@@ -43,6 +43,7 @@ class EngineConfig:
     # backend computing CPU-tier layers (hybrid): None = auto (native CPU kernels next to a GPU),
     # "none" = never, or a device name ("cpu", "numpy")
     host_device: str | None = None
+    hybrid: str = "auto"  # "cpu": every non-resident layer computed on the CPU (--hybrid cpu)
     # MoE expert offload (moe_offload.py): cache policy, slots (None: from the VRAM budget; a
     # number forces the offload), and where experts are computed: auto | gpu | cpu
     expert_cache: str = "lru"
@@ -58,6 +59,10 @@ class EngineConfig:
             raise ValueError(f"matmul_mode must be 'ggml' or 'exact', got {self.matmul_mode!r}")
         if self.kv_dtype not in ("f16", "f32"):
             raise ValueError(f"kv_dtype must be 'f16' or 'f32', got {self.kv_dtype!r}")
+        if self.hybrid not in ("auto", "cpu"):
+            raise ValueError(f"hybrid must be 'auto' or 'cpu', got {self.hybrid!r}")
+        if self.hybrid == "cpu" and self.host_device == "none":
+            raise ValueError("hybrid 'cpu' computes layers on a host backend; host_device 'none' forbids one")
         if self.expert_cache not in ("lru", "lfu"):
             raise ValueError(f"--expert-cache must be lru or lfu, got {self.expert_cache!r}")
         if self.expert_slots is not None and self.expert_slots < 1:

@@ -19,7 +19,7 @@ from ntx_engine.planner import Links
 
 PROBE_BYTES = 256 << 20
 STORAGE_PROBE = 1 << 30
-CACHE_VERSION = 4  # bump when a probe changes: old figures then stop being used
+CACHE_VERSION = 5  # bump when a probe changes: old figures then stop being used (5: whole-layer CPU probe)
 CACHE = Path(os.environ.get("NTX_CACHE", Path.home() / ".cache" / "ntx")) / "links.json"
 
 
@@ -100,34 +100,78 @@ def evict(path: str, ranges) -> None:
 
 
 def cpu_bps(backend: Any, host: Any, gf: Any, seconds: float = 0.6) -> float:
-    """The host kernels' weight-read rate on this model's layer 0 — all its matrices, small ones
-    included, as a decode step runs them — measured while host-to-device copies run (they
-    share DRAM: the concurrent figure is the one that holds)."""
-    infos = [t for n, t in gf.tensors.items() if n.startswith("blk.0.") and len(t.shape) == 2]
-    if not infos:
+    """The host's weight-read rate on this model's layer 0, run as a decode step runs it — one
+    whole-layer native call when the host has one (NativeCpuBackend.run_block), else all its
+    matrices one by one — measured while host-to-device copies run (they share DRAM: the
+    concurrent figure is the one that holds)."""
+    probe = _layer_probe(host, gf) or _matrix_probe(host, gf)
+    if probe is None:
         return 0.0
-    weights = [host.matrix(np.array(gf.tensor_data(t.name), np.uint8), t.ggml_type, tuple(t.shape), t.name)
-               for t in infos]
-    nbytes = sum(t.nbytes for t in infos)
-    rng = np.random.default_rng(0)
-    xs = [rng.standard_normal((1, t.shape[1])).astype(np.float32) for t in infos]
+    run, nbytes = probe
     stop = threading.Event()
     copier = threading.Thread(target=_copy_loop, args=(backend, stop), daemon=True) if backend.name == "cuda" else None
     if copier:
         copier.start()
     try:
-        for w, x in zip(weights, xs):  # warm: thread pool, caches
-            host.matmul(w, x)
+        run()  # warm: thread pool, caches
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            for w, x in zip(weights, xs):
-                host.matmul(w, x)
+            run()
             n += 1
         return n * nbytes / (time.perf_counter() - t0)
     finally:
         stop.set()
         if copier:
             copier.join()
+
+
+def _layer0_matrices(gf: Any) -> list:
+    return [t for n, t in gf.tensors.items() if n.startswith("blk.0.") and len(t.shape) == 2]
+
+
+def _matrix_probe(host: Any, gf: Any):
+    infos = _layer0_matrices(gf)
+    if not infos:
+        return None
+    weights = [host.matrix(np.array(gf.tensor_data(t.name), np.uint8), t.ggml_type, tuple(t.shape), t.name)
+               for t in infos]
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((1, t.shape[1])).astype(np.float32) for t in infos]
+
+    def run() -> None:
+        for w, x in zip(weights, xs):
+            host.matmul(w, x)
+    return run, sum(t.nbytes for t in infos)
+
+
+PROBE_CTX, PROBE_POS = 64, 32  # the probe's decode step attends over 33 positions
+
+
+def _layer_probe(host: Any, gf: Any):
+    """(run layer 0 once, its matrix bytes) through the host's whole-layer call, or None when the
+    host has none or the model is not a dense llama-family one (MoE: the matrix probe)."""
+    if not hasattr(host, "run_block") or not hasattr(gf, "metadata"):
+        return None
+    from ntx_common.errors import NtxError
+    from ntx_engine.config import ModelConfig
+    from ntx_engine.model import LayerWeights, ModelWeights, Transformer, WeightLoader
+
+    try:
+        cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
+        if cfg.is_moe:
+            return None
+        loader = WeightLoader(gf, cfg, host)
+        specs = loader.matrix_specs(0)
+        mats = {f: host.matrix(np.array(gf.tensor_data(name), np.uint8), t, shape, name)
+                for f, (name, t, shape) in specs.items()}
+        lw = LayerWeights(**mats, **loader.layer_vectors(0))
+    except (NtxError, ValueError, KeyError):
+        return None
+    model = Transformer(cfg, ModelWeights(None, None, None, [lw], None), host, PROBE_CTX)
+    x = np.random.default_rng(0).standard_normal((1, cfg.n_embd)).astype(np.float32) * np.float32(0.1)
+    pos = np.arange(PROBE_POS, PROBE_POS + 1)
+    nbytes = sum(t.nbytes for t in _layer0_matrices(gf))
+    return (lambda: host.run_block(model, 0, lw, x, pos, PROBE_POS)), nbytes
 
 
 def _copy_loop(backend: Any, stop: threading.Event, nbytes: int = 256 << 20) -> None:

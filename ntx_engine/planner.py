@@ -192,14 +192,18 @@ def vram_margin(budgets: Budgets) -> int:
 
 def make_plan(spans: list[LayerSpan], head_bytes: int, cfg: ModelConfig, n_ctx: int,
               budgets: Budgets, links: Links, *, n_slots: int | None = None,
-              n_staging: int | None = None, extra_workspace: int = 0) -> Plan:
+              n_staging: int | None = None, extra_workspace: int = 0, hybrid: str = "auto") -> Plan:
     """The lowest-predicted-time placement that fits the budgets; PlanError when none does.
     extra_workspace: device memory the backend takes beyond the activations (the CUDA prefill
-    GEMM's fp16 slab and cuBLAS workspace)."""
+    GEMM's fp16 slab and cuBLAS workspace). hybrid: "auto" lets the cost model choose how many
+    streamed layers the CPU computes (when links.cpu > 0); "cpu" puts every one the RAM budget
+    holds on the CPU (`--hybrid cpu`, the pure-CPU split)."""
+    if hybrid not in ("auto", "cpu"):
+        raise UsageError(f"hybrid must be auto or cpu, got {hybrid!r}")
     if n_slots is not None and n_slots < MIN_SLOTS:
         raise UsageError(f"the slot ring needs at least {MIN_SLOTS} slots, got {n_slots}")
     ws = workspace_bytes(cfg, n_ctx) + extra_workspace
-    plans = [_place(order, name, spans, head_bytes, cfg, n_ctx, budgets, links, n_slots, n_staging, ws)
+    plans = [_place(order, name, spans, head_bytes, cfg, n_ctx, budgets, links, n_slots, n_staging, ws, hybrid)
              for name, order in _orders(spans)]
     return min(plans, key=lambda p: (round(p.predicted_token_s, 12), p.strategy != "model order"))
 
@@ -211,7 +215,7 @@ def _orders(spans: list[LayerSpan]) -> list[tuple[str, list[int]]]:
 
 def _place(order: list[int], strategy: str, spans: list[LayerSpan], head_bytes: int,
            cfg: ModelConfig, n_ctx: int, budgets: Budgets, links: Links,
-           n_slots: int | None, n_staging: int | None, ws: int) -> Plan:
+           n_slots: int | None, n_staging: int | None, ws: int, hybrid: str = "auto") -> Plan:
     fixed = kv_cache_bytes(cfg, n_ctx) + ws + head_bytes + vram_margin(budgets)
     total = sum(s.nbytes for s in spans)
     if fixed + total <= budgets.vram:  # everything fits: no ring at all
@@ -229,10 +233,16 @@ def _place(order: list[int], strategy: str, spans: list[LayerSpan], head_bytes: 
     streamed = sorted(i for i in order if i not in tiers)
     staging = n_staging or DEFAULT_STAGING
     counts = range(len(streamed) + 1) if links.cpu > 0 else [0]
+    forced = hybrid == "cpu" and links.cpu > 0
+    if forced:  # all of them, or as many as the RAM budget holds
+        counts = range(len(streamed), -1, -1)
     best = None
     for n_cpu in counts:  # how many streamed layers the CPU computes instead (hybrid)
         plan = _split(spans, tiers, streamed, n_cpu, slots, slot, staging, budgets, links, cfg, n_ctx,
                       head_bytes, strategy, ws)
+        if forced and plan is not None:
+            plan.notes.append(f"--hybrid cpu: {n_cpu} of {len(streamed)} non-resident layers computed on the CPU")
+            return plan
         if plan is not None and (best is None or plan.predicted_token_s < best.predicted_token_s * (1 - 1e-9)):
             best = plan
     return best

@@ -65,12 +65,14 @@ def plan_for(gf: Any, cfg: Any, backend: Any, ecfg: Any, n_ctx: int, *, measure_
         from ntx_engine.backends.cuda_backend import gemm_workspace_bytes
 
         extra = gemm_workspace_bytes(cfg)
-    plan = make_plan(spans, head, cfg, n_ctx, budgets, links, n_slots=ecfg.n_slots, extra_workspace=extra)
+    plan = make_plan(spans, head, cfg, n_ctx, budgets, links, n_slots=ecfg.n_slots, extra_workspace=extra,
+                     hybrid=ecfg.hybrid)
     if (plan.streamed or measure_links) and ecfg.links is None:
         from ntx_engine.links import measure
 
         links = measure(backend, gf, ecfg.storage, host=host)
-        plan = make_plan(spans, head, cfg, n_ctx, budgets, links, n_slots=ecfg.n_slots, extra_workspace=extra)
+        plan = make_plan(spans, head, cfg, n_ctx, budgets, links, n_slots=ecfg.n_slots, extra_workspace=extra,
+                     hybrid=ecfg.hybrid)
     return plan
 
 

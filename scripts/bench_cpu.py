@@ -5,6 +5,10 @@ one run: the two alternate for `--rounds` rounds so load from other processes hi
 
     python scripts/bench_cpu.py                       # SmolLM2-135M-Instruct Q4_1, all cores
     python scripts/bench_cpu.py --model M.gguf --threads 2 --tokens 128 --json out.json
+    python scripts/bench_cpu.py layer --threads 2    # per-layer time: op by op vs one native call
+
+ntx runs twice per round: each layer one native call (the default) and op by op
+(NTX_CPU_WHOLE_LAYER=0), so both paths are compared in the same run.
 
 ntx is timed through the real CLI (`ntx-run --device cpu --temperature 0 --json`, its reported
 decode_tok_s); llama.cpp through `Llama.generate` with greedy sampling, decode rate = tokens
@@ -42,8 +46,9 @@ def default_model() -> Path:
     return Path(resolve_model(None))
 
 
-def run_ntx(model: Path, threads: int, tokens: int, prompt: str) -> float:
-    env = dict(os.environ, NTX_CPU_THREADS=str(threads), OPENBLAS_NUM_THREADS="1", NO_COLOR="1")
+def run_ntx(model: Path, threads: int, tokens: int, prompt: str, whole_layer: bool = True) -> float:
+    env = dict(os.environ, NTX_CPU_THREADS=str(threads), OPENBLAS_NUM_THREADS="1", NO_COLOR="1",
+               NTX_CPU_WHOLE_LAYER="1" if whole_layer else "0")
     cmd = [str(Path(sys.executable).parent / "ntx-run"), prompt, "--model", str(model), "--device", "cpu",
            "--temperature", "0", "--max-tokens", str(tokens), "--ctx", "512", "--raw", "--json"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -136,7 +141,100 @@ def kernel_table(model: Path) -> list[dict]:
     return rows
 
 
+SYNTHETIC_8B = Path("/tmp/ntx-bench/llama3-8b-q4_k_m-2.gguf")
+
+
+def _busy_python(stop) -> None:
+    """A Python thread that always wants the GIL, as the streaming pipeline's threads do."""
+    n = 0
+    while not stop.is_set():
+        n += 1
+
+
+def _time_layers(model, run, seconds: float) -> list[float]:
+    """Seconds per layer call, each call timed alone (decode: one token at position 32)."""
+    import numpy as np
+
+    x0 = np.random.default_rng(0).standard_normal((1, model.cfg.n_embd)).astype(np.float32) * 0.1
+    pos, times, t_end = np.arange(32, 33), [], time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(times) < 3 * model.cfg.n_layers:
+        for i, lw in enumerate(model.w.layers):
+            t0 = time.perf_counter()
+            run(i, lw, x0, pos, 32)
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def layer_bench(model_path: Path | None, threads: int, seconds: float, rounds: int) -> dict:
+    """Per-layer decode time of op-by-op vs whole-layer native calls on a dense model (default:
+    a 2-layer Llama-3-8B-shaped Q4_K_M written once to /tmp), idle and next to a busy Python
+    thread, against the CPU probe (links.cpu_bps) the planner would use with this many threads."""
+    import threading
+
+    import numpy as np
+
+    from ntx_engine import links
+    from ntx_engine.backends.cpu_native import NativeCpuBackend
+    from ntx_engine.config import ModelConfig
+    from ntx_engine.gguf import GGUFFile
+    from ntx_engine.model import Transformer, WeightLoader
+
+    path = model_path or SYNTHETIC_8B
+    if not path.exists():
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from bench_tiers import write_repeated_model
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_repeated_model(path, "llama3-8b", "q4_k_m", 2)
+    gf = GGUFFile.open(path)
+    cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
+    backend = NativeCpuBackend(threads=threads)
+    model = Transformer(cfg, WeightLoader(gf, cfg, backend).load(), backend, 64)
+    mat_bytes = sum(t.nbytes for n, t in gf.tensors.items() if n.startswith("blk.0.") and len(t.shape) == 2)
+    ways = {"op_by_op": lambda *a: model.block(*a),
+            "whole_layer": lambda *a: backend.run_block(model, *a)}
+    doc = {"model": str(path), "threads": threads, "simd": backend.kernels.simd, "layer_matrix_bytes": mat_bytes,
+           "load_avg_1m": os.getloadavg()[0]}
+    for busy in (False, True):
+        stop = threading.Event()
+        hog = threading.Thread(target=_busy_python, args=(stop,), daemon=True) if busy else None
+        if hog:
+            hog.start()
+        per = {k: [] for k in ways}
+        for _ in range(rounds):  # alternate so load from other processes hits both alike
+            for k, run in ways.items():
+                per[k] += _time_layers(model, run, seconds)
+        stop.set()
+        for k, ts in per.items():
+            med = statistics.median(ts)
+            doc[f"{k}{'_busy_python' if busy else ''}"] = {"ms_per_layer": med * 1e3, "gb_s": mat_bytes / med / 1e9}
+    host = NativeCpuBackend(threads=threads)
+    doc["probe_gb_s"] = links.cpu_bps(host, host, gf) / 1e9
+    doc["probe_over_whole_layer"] = doc["probe_gb_s"] / doc["whole_layer"]["gb_s"]
+    host.close()
+    backend.close()
+    gf.close()
+    return doc
+
+
+def layer_main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="bench_cpu.py layer", description=layer_bench.__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help=f"a dense GGUF (default: {SYNTHETIC_8B}, written if absent)")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--seconds", type=float, default=1.0, help="per way and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    text = json.dumps(layer_bench(args.model, args.threads, args.seconds, args.rounds), indent=1)
+    if args.json:
+        args.json.write_text(text + "\n")
+    print(text)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["layer"]:
+        layer_main(sys.argv[2:])
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -148,11 +246,13 @@ def main() -> None:
     args = ap.parse_args()
     model = args.model or default_model()
     llm = load_llama(model, args.threads)
-    ntx, ref = [], []
+    ntx, ntx_op, ref = [], [], []
     for r in range(args.rounds):
         ntx.append(run_ntx(model, args.threads, args.tokens, args.prompt))
+        ntx_op.append(run_ntx(model, args.threads, args.tokens, args.prompt, whole_layer=False))
         ref.append(run_llama(llm, args.tokens, args.prompt))
-        print(f"round {r + 1}: ntx {ntx[-1]:.1f} tok/s, llama.cpp {ref[-1]:.1f} tok/s", file=sys.stderr)
+        print(f"round {r + 1}: ntx {ntx[-1]:.1f} tok/s (op by op {ntx_op[-1]:.1f}), llama.cpp {ref[-1]:.1f} tok/s",
+              file=sys.stderr)
     from ntx_engine.backends.cpu_kernels import CpuKernels
 
     kern = CpuKernels(1)
@@ -160,8 +260,9 @@ def main() -> None:
         "model": str(model), "threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
         "simd": kern.simd, "numa_nodes": kern.numa_nodes(), "cpu": platform.processor() or platform.machine(),
         "load_avg_1m": os.getloadavg()[0],
-        "ntx_decode_tok_s": ntx, "llama_cpp_decode_tok_s": ref,
-        "ntx_median": statistics.median(ntx), "llama_cpp_median": statistics.median(ref),
+        "ntx_decode_tok_s": ntx, "ntx_op_by_op_decode_tok_s": ntx_op, "llama_cpp_decode_tok_s": ref,
+        "ntx_median": statistics.median(ntx), "ntx_op_by_op_median": statistics.median(ntx_op),
+        "llama_cpp_median": statistics.median(ref),
         "ratio_median": statistics.median(ntx) / statistics.median(ref),
     }
     kern.close()

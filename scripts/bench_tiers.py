@@ -5,9 +5,11 @@ planner's predicted bound, and the ratio over `--tiers mmap-baseline` with the s
         --scenario S0:: --scenario S1:12G:4G --scenario S2:12G: --scenario S3:12G:0 \\
         --baseline S2 --json out.json
 
-A scenario is NAME:VRAM:RAM (empty = the default: what is free). Synthetic files repeat one
-random layer's bytes for every layer (only bytes and shapes matter for speed; writing is then
-disk-bound). Prints a table last; JSON holds the plans and the pipeline counters.
+A scenario is NAME:VRAM:RAM[:HYBRID] (empty = the default: what is free); HYBRID is `nohybrid`
+(every non-resident layer streams, `--hybrid off`), `cpu` (every non-resident layer computed on the
+CPU, `--hybrid cpu`) or absent (the planner's split, `--hybrid auto`): e.g. S2cpu:24G:200G:cpu.
+Synthetic files repeat one random layer's bytes for every layer (only bytes and shapes matter
+for speed; writing is then disk-bound). Prints a table last; JSON holds the plans and the pipeline counters.
 """
 
 from __future__ import annotations
@@ -65,14 +67,17 @@ def write_repeated_model(path: Path, shape: str, mix: str, n_layers: int | None,
     return total
 
 
-def parse_scenario(text: str) -> tuple[str, str | None, str | None, bool]:
-    """NAME:VRAM:RAM[:nohybrid]"""
+def parse_scenario(text: str) -> tuple[str, str | None, str | None, str]:
+    """NAME:VRAM:RAM[:nohybrid|cpu] -> (name, vram, ram, hybrid mode auto|off|cpu)"""
     name, vram, ram, *flags = (text.split(":") + ["", ""])[:4]
-    return name, vram or None, ram or None, "nohybrid" in flags
+    mode = {"nohybrid": "off", "cpu": "cpu", "": "auto"}.get(flags[0] if flags else "")
+    if mode is None:
+        raise SystemExit(f"scenario {text!r}: the 4th field must be nohybrid or cpu, not {flags[0]!r}")
+    return name, vram or None, ram or None, mode
 
 
 def bench_one(path: Path, vram: str | None, ram: str | None, tiers: str, decode: int, prefill: int,
-              storage: str, device: str = "cuda", hybrid: bool = True) -> dict:
+              storage: str, device: str = "cuda", hybrid: str = "auto") -> dict:
     from ntx_engine.backends import make_backend
     from ntx_engine.config import ModelConfig
     from ntx_engine.engine import EngineConfig, load_model
@@ -87,12 +92,13 @@ def bench_one(path: Path, vram: str | None, ram: str | None, tiers: str, decode:
     links = measure(backend, gf, storage)  # also for all-resident runs: the bound needs them
     from ntx_engine import tiers as tiers_mod
 
-    host = tiers_mod.host_backend(backend, EngineConfig(device=device, tiers=tiers, host_device=None if hybrid else "none"))
+    host_device = "none" if hybrid == "off" else ("cpu" if device != "cuda" and hybrid == "cpu" else None)
+    host = tiers_mod.host_backend(backend, EngineConfig(device=device, tiers=tiers, host_device=host_device))
     if host is not None:  # the CPU's concurrent rate on this model, as Engine.load would measure it
         links = measure(backend, gf, storage, host=host)
         host.close()
     ecfg = EngineConfig(device=device, n_ctx=1024, storage=storage, tiers=tiers, links=links,
-                        host_device=None if hybrid else "none",
+                        host_device=host_device, hybrid="cpu" if hybrid == "cpu" else "auto",
                         vram_budget=None if vram is None else parse_size(vram),
                         ram_budget=None if ram is None else parse_size(ram))
     t0 = time.perf_counter()
@@ -123,7 +129,7 @@ def bench_one(path: Path, vram: str | None, ram: str | None, tiers: str, decode:
         plan = model.plan
         tok_s = decode / decode_s
         bound = 1.0 / plan.predicted_token_s
-        return {"tiers": tiers, "vram_budget": vram, "ram_budget": ram, "load_s": load_s,
+        return {"tiers": tiers, "hybrid": hybrid, "vram_budget": vram, "ram_budget": ram, "load_s": load_s,
                 "decode_tok_s": tok_s, "prefill_tok_s": pp, "bound_tok_s": bound,
                 "token_time_over_bound": bound / tok_s, "plan": plan.as_dict(), "pipeline": pipe}
     finally:
@@ -188,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             n = write_repeated_model(path, shape, mix, args.layers)
             print(f"wrote {path} ({n / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s", flush=True)
     if args.one:  # one scenario in this process (the parent runs each in a fresh one)
-        _, vram, ram, nohybrid = parse_scenario(args.one)
+        _, vram, ram, mode = parse_scenario(args.one)
         res = bench_one(path, vram, ram, args.tiers, args.decode, args.prefill, args.storage, args.device,
-                        hybrid=not nohybrid)
+                        hybrid=mode)
         args.json.write_text(json.dumps(res))
         return 0
     results = {}

@@ -10,6 +10,8 @@ float32-activation `exact` mode is an oracle mode and stays with `NumpyBackend`.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ntx_engine import quants, rope
@@ -88,6 +90,8 @@ class NativeCpuBackend(NumpyBackend):
         self.kernels = kernels if kernels is not None else CpuKernels(threads)
         self._rope_key: bytes | None = None
         self._layer_specs: dict[int, tuple] = {}
+        # NTX_CPU_WHOLE_LAYER=0: op by op (benchmarks compare the two in one run)
+        self.whole_layers = os.environ.get("NTX_CPU_WHOLE_LAYER", "1") != "0"
 
     # weights ---------------------------------------------------------------------------
     def matrix(self, raw, ggml_type, shape, name):
@@ -150,7 +154,8 @@ class NativeCpuBackend(NumpyBackend):
         """Layer i of `model`: one native call when `model` is a dense llama-family Transformer
         computing on this very backend (the GIL is taken once per layer, not ~10 times), else
         its op-by-op `block`. Both run the same kernels in the same order: equal bit for bit."""
-        spec = self._layer_spec(i, lw) if model.backend is self and is_dense(model) else None
+        dense = self.whole_layers and model.backend is self and is_dense(model)
+        spec = self._layer_spec(i, lw) if dense else None
         if spec is None:
             return model.block(i, lw, x, pos, start)
         cos, sin = self._cos_sin(np.asarray(pos))

@@ -86,3 +86,116 @@ def test_native_host_within_noise(smollm2_path, resident):
             assert a == b, f"step {step}"
     finally:
         eng.close()
+
+
+def _refuse(*_a, **_k):
+    raise AssertionError("an op-level host call ran: the CPU layers should be one native call each")
+
+
+def test_native_host_runs_each_cpu_layer_in_one_native_call(smollm2_path, resident):
+    """The hybrid's CPU layers go through NativeCpuBackend.run_block: with every op-level method
+    of the host refused, decode still runs, with the tokens of the op-by-op host."""
+    if load_module() is None:
+        pytest.fail("the native CPU kernels are not built: `pip install -e .` builds ntx_engine._cpu", pytrace=False)
+    eng = load(smollm2_path, vram_budget=110 * MiB, ram_budget=1 << 30, host_device="cpu")
+    try:
+        host = eng.model.host_layers.host
+        ids = resident["ids"]
+        host.whole_layers = False  # the op-by-op host first (NTX_CPU_WHOLE_LAYER=0)
+        op_logits, op_tokens = eng.logits(ids), list(eng.generate(ids, 6))
+        host.whole_layers = True
+        # not matmul: an instance matmul means "jittered" (ntx_engine.noise) and sends layers op by op
+        for name in ("rmsnorm", "matmul_many", "matmul_swiglu", "rope_attention", "swiglu"):
+            setattr(host, name, _refuse)
+        assert eng.logits(ids).tobytes() == op_logits.tobytes()
+        assert list(eng.generate(ids, 6)) == op_tokens
+    finally:
+        eng.close()
+
+
+def test_hybrid_cpu_puts_every_non_resident_layer_on_the_cpu(smollm2_path, resident):
+    """--hybrid cpu (the issue's benchmark b): no layer streams; numpy host: bit-exact tokens."""
+    eng = load(smollm2_path, vram_budget=110 * MiB, ram_budget=1 << 30, host_device="numpy", hybrid="cpu")
+    try:
+        plan = eng.plan()
+        tiers = {p.tier for p in plan.placements}
+        assert tiers == {"vram", "cpu"}, tiers
+        assert any("--hybrid cpu" in n for n in plan.notes)
+        np.testing.assert_array_equal(eng.logits(resident["ids"]), resident["logits"])
+        assert list(eng.generate(resident["ids"], 8)) == resident["tokens"]
+        assert list(eng.generate(resident["long_ids"], 6)) == resident["long_tokens"]
+    finally:
+        eng.close()
+
+
+def test_hybrid_cpu_native_host_tokens_match_resident(smollm2_path, resident):
+    if load_module() is None:
+        pytest.fail("the native CPU kernels are not built: `pip install -e .` builds ntx_engine._cpu", pytrace=False)
+    eng = load(smollm2_path, vram_budget=110 * MiB, ram_budget=1 << 30, host_device="cpu", hybrid="cpu")
+    try:
+        assert {p.tier for p in eng.plan().placements} == {"vram", "cpu"}
+        diff = np.abs(eng.logits(resident["ids"]) - resident["logits"]).max(axis=-1)
+        assert (diff <= 3 * resident["noise"] + 1e-3).all(), (diff, resident["noise"])
+        toks = list(eng.generate(resident["ids"], 8))
+        ref_logits = eng.logits(resident["ids"] + resident["tokens"][:-1])[len(resident["ids"]) - 1:]
+        for step, (a, b) in enumerate(zip(toks, resident["tokens"])):
+            top2 = np.sort(ref_logits[step])[-2:]
+            if top2[1] - top2[0] < 0.05:
+                break
+            assert a == b, f"step {step}"
+    finally:
+        eng.close()
+
+
+def test_planner_hybrid_cpu_takes_what_ram_holds():
+    """make_plan(hybrid="cpu"): every streamed layer on the CPU; with less RAM, as many as fit
+    (the rest stream); without a measured CPU rate it cannot price CPU layers and plans none."""
+    from ntx_engine.config import ModelConfig
+    from ntx_engine.layout import LayerSpan
+    from ntx_engine.planner import Budgets, make_plan
+
+    cfg = ModelConfig(arch="llama", n_layers=8, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, head_dim=16,
+                      rope_dim=16, rope_base=1e4, rope_type="norm", rope_freq_scale=1.0, has_rope_freqs=False,
+                      rms_eps=1e-5, context_length=64, vocab_size=32, tied_embeddings=True, qkv_bias=False)
+    spans = [LayerSpan(i, i * 100 * MiB, (i + 1) * 100 * MiB, {f"blk.{i}.x": 0}, 100 * MiB) for i in range(8)]
+    plan = make_plan(spans, MiB, cfg, 64, Budgets(vram=500 * MiB, ram=4 << 30), LINKS, hybrid="cpu")
+    tiers = [p.tier for p in plan.placements]
+    assert set(tiers) == {"vram", "cpu"} and tiers.count("cpu") >= 4
+    auto = make_plan(spans, MiB, cfg, 64, Budgets(vram=500 * MiB, ram=4 << 30), LINKS)
+    assert auto.predicted_token_s <= plan.predicted_token_s  # auto chooses; cpu is forced
+    small = make_plan(spans, MiB, cfg, 64, Budgets(vram=500 * MiB, ram=3 * 100 * MiB + 3 * 100 * MiB + 1),
+                      LINKS, hybrid="cpu")
+    st = [p.tier for p in small.placements]
+    assert 0 < st.count("cpu") < tiers.count("cpu") and "storage" in st
+    none = make_plan(spans, MiB, cfg, 64, Budgets(vram=500 * MiB, ram=4 << 30),
+                     Links(vram=2e10, h2d=1e10, storage=1e9), hybrid="cpu")
+    assert "cpu" not in {p.tier for p in none.placements}
+
+
+def test_cpu_probe_times_the_whole_layer_call(smollm2_path, oracle_manifest):
+    """links.cpu_bps on a native host runs layer 0 as one run_block call (it writes layer 0's K
+    row at the probe position); a MoE model or a numpy host fall back to the matrix probe."""
+    if load_module() is None:
+        pytest.fail("the native CPU kernels are not built: `pip install -e .` builds ntx_engine._cpu", pytrace=False)
+    from ntx_engine import links
+    from ntx_engine.backends.cpu_native import NativeCpuBackend
+    from ntx_engine.backends.numpy_backend import NumpyBackend
+    from ntx_engine.gguf import GGUFFile
+
+    host = NativeCpuBackend(threads=2)
+    try:
+        with GGUFFile.open(smollm2_path) as gf:
+            run, nbytes = links._layer_probe(host, gf)
+            assert nbytes == sum(t.nbytes for n, t in gf.tensors.items() if n.startswith("blk.0.") and len(t.shape) == 2)
+            assert not host.k_cache[0, links.PROBE_POS].any()
+            host.rmsnorm = _refuse  # the op-by-op path would call it
+            run()
+            assert host.k_cache[0, links.PROBE_POS].any()
+            del host.rmsnorm
+            assert links.cpu_bps(host, host, gf, seconds=0.05) > 0
+            assert links._layer_probe(NumpyBackend(), gf) is None
+        with GGUFFile.open(oracle_manifest["models"]["tiny-llamamoe-F32"]) as gf:
+            assert links._layer_probe(host, gf) is None
+            assert links.cpu_bps(host, host, gf, seconds=0.05) > 0
+    finally:
+        host.close()
