@@ -179,8 +179,9 @@ class Engine:
         """Logits (n, vocab) for every position of `ids`, from an empty context."""
         self._check_ids(ids)
         self._cached = []
-        parts = [self.model.forward(np.asarray(ids[s:s + PREFILL_CHUNK]), s, all_logits=True)
-                 for s in range(0, len(ids), PREFILL_CHUNK)]
+        chunk = self._chunk()
+        parts = [self.model.forward(np.asarray(ids[s:s + chunk]), s, all_logits=True)
+                 for s in range(0, len(ids), chunk)]
         self._cached = list(ids)
         return np.concatenate(parts, axis=0)
 
@@ -191,10 +192,16 @@ class Engine:
             keep -= 1
         self.model.backend.truncate(keep)
         last = None
-        for s in range(keep, len(ids), PREFILL_CHUNK):
-            last = self.model.forward(np.asarray(ids[s:s + PREFILL_CHUNK]), s)
+        chunk = self._chunk()
+        for s in range(keep, len(ids), chunk):
+            last = self.model.forward(np.asarray(ids[s:s + chunk]), s)
         self._cached = list(ids)
         return last[-1]
+
+    def _chunk(self) -> int:
+        """Tokens per prefill pass: the backend's (CUDA: larger, so a streamed model is read
+        fewer times per prompt; the planner reserves its activations) or PREFILL_CHUNK."""
+        return getattr(self.model.backend, "prefill_chunk", PREFILL_CHUNK)
 
     def generate(self, prompt_ids: Sequence[int], max_tokens: int = 128,
                  sampler: SamplerConfig | None = None, stats: GenerationStats | None = None) -> Iterator[int]:

@@ -180,10 +180,10 @@ def kv_cache_bytes(cfg: ModelConfig, n_ctx: int) -> int:
     return 2 * cfg.n_layers * n_ctx * cfg.kv_dim * 2  # K and V, f16
 
 
-def workspace_bytes(cfg: ModelConfig, n_ctx: int) -> int:
+def workspace_bytes(cfg: ModelConfig, n_ctx: int, chunk: int = PREFILL_CHUNK) -> int:
     """Activations of one prefill chunk, its attention scores and the logits (float32)."""
     per_token = 3 * cfg.n_ff + 4 * cfg.n_embd + cfg.q_dim + 2 * cfg.kv_dim + cfg.vocab_size
-    return 4 * PREFILL_CHUNK * (per_token + cfg.n_head * min(n_ctx, 2 * PREFILL_CHUNK))
+    return 4 * chunk * (per_token + cfg.n_head * min(n_ctx, 2 * chunk))
 
 
 def vram_margin(budgets: Budgets) -> int:

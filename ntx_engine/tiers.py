@@ -15,7 +15,7 @@ from ntx_common.errors import UsageError
 from ntx_engine.layout import LayerSpan, layer_spans, resident_bytes
 from ntx_engine.model import LayerWeights, ModelWeights, ResidentLayers, WeightLoader
 from ntx_engine.pipeline import StreamingLayers
-from ntx_engine.planner import RAM_MARGIN, Budgets, Links, Plan, make_plan
+from ntx_engine.planner import RAM_MARGIN, Budgets, Links, Plan, make_plan, workspace_bytes
 
 UNBOUNDED = 1 << 62
 READ_WORKERS = int(os.environ.get("NTX_READ_WORKERS", 16))  # O_DIRECT requests in flight (8+ for a virtio disk)
@@ -61,10 +61,11 @@ def plan_for(gf: Any, cfg: Any, backend: Any, ecfg: Any, n_ctx: int, *, measure_
     if host is None and links.cpu:
         links = dataclasses.replace(links, cpu=0.0)
     extra = 0
-    if backend.name == "cuda":
+    if backend.name == "cuda":  # the prefill GEMM's slab, and activations of its larger chunk
         from ntx_engine.backends.cuda_backend import gemm_workspace_bytes
 
-        extra = gemm_workspace_bytes(cfg)
+        extra = gemm_workspace_bytes(cfg) + workspace_bytes(cfg, n_ctx, backend.prefill_chunk) \
+            - workspace_bytes(cfg, n_ctx)
     plan = make_plan(spans, head, cfg, n_ctx, budgets, links, n_slots=ecfg.n_slots, extra_workspace=extra,
                      hybrid=ecfg.hybrid)
     if (plan.streamed or measure_links) and ecfg.links is None:

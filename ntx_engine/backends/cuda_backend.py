@@ -76,6 +76,7 @@ class CudaWeight:
 
 class CudaBackend:
     name = "cuda"
+    prefill_chunk = 512  # tokens per prefill pass (engine.py): the GEMMs run near peak from here on
 
     def __init__(self, matmul_mode: str = "ggml", kv_dtype: str = "f16", device: int = 0,
                  cache_dir=None, matvec: str | None = None, attn: str | None = None,
@@ -104,7 +105,7 @@ class CudaBackend:
         if self.gemm not in ("auto", "1", "0"):
             raise UsageError(f"NTX_CUDA_GEMM must be auto, 1 or 0, not {self.gemm!r}")
         self._cublas = None
-        self._gemm_ws: tuple | None = None  # (slab fp16 DeviceArray, cuBLAS workspace DeviceArray)
+        self._gemm_ws: DeviceArray | None = None  # the fp16 weight slab (_slab)
         self._f16_cache: tuple | None = None  # (x, (xh, scales)) while x feeds several GEMMs
         # "norm": the fused rmsnorm also quantizes its output in the format the fast matmuls fed
         # by the same norm weight asked for before (_norm_keys: norm weight ptr -> act-cache key)
@@ -268,7 +269,7 @@ class CudaBackend:
         if w.ggml_type == GGMLType.F16:
             cublas.gemm_f16(w.data.ptr, xh.ptr, y.ptr, rows, n, k, rows)
         else:
-            slab = self._slab()
+            slab = self._slab(2 * rows * k)
             step = max(1, slab.nbytes // (2 * k))
             row_bytes = w.data.nbytes // rows
             for r0 in range(0, rows, step):
@@ -278,9 +279,13 @@ class CudaBackend:
                 cublas.gemm_f16(slab.ptr, xh.ptr, y.ptr + 4 * r0, m, n, k, rows)
         self.k.scale_rows(y, scales, self.stream)
 
-    def _slab(self) -> DeviceArray:
-        if self._gemm_ws is None:
-            self._gemm_ws = self._new(gemm_workspace_bytes(self._model()) - self._cublas_ws.nbytes, dtype=np.uint8)
+    def _slab(self, need: int) -> DeviceArray:
+        """The fp16 weight slab: at most GEMM_SLAB_BYTES; with a model set, sized once for its
+        largest matrix (what the planner reserved), else grown to the largest weight seen."""
+        if self._gemm_ws is None or self._gemm_ws.nbytes < min(need, GEMM_SLAB_BYTES):
+            planned = gemm_workspace_bytes(self.cfg) - self._cublas_ws.nbytes if self.cfg is not None else 0
+            self._gemm_ws = None  # back to the pool before the larger one is taken
+            self._gemm_ws = self._new(min(max(need, planned), GEMM_SLAB_BYTES), dtype=np.uint8)
         return self._gemm_ws
 
     def _uses_mmq(self, w: CudaWeight, n: int) -> bool:

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from ntx_engine import quants
-from ntx_engine.backends.cuda_driver import DeviceArray
 from ntx_engine.quants import GGMLType
 
 pytestmark = pytest.mark.gpu
@@ -27,26 +26,24 @@ def _oracle(raw, t, rows, k, x) -> np.ndarray:
     return (xh @ w.T) * s[:, None]
 
 
-def _gemm_backend(slab_rows: int | None, k: int):
-    from ntx_engine.backends.cuda_backend import CudaBackend
+def _gemm_backend(slab_rows: int | None, k: int, monkeypatch=None):
+    from ntx_engine.backends import cuda_backend
 
-    b = CudaBackend(gemm="1")
     if slab_rows is not None:  # a small slab: the weight is decoded and multiplied in pieces
-        b._cublas_handle()
-        b._gemm_ws = DeviceArray(b.pool, (slab_rows * k * 2,), np.uint8)
-    return b
+        monkeypatch.setattr(cuda_backend, "GEMM_SLAB_BYTES", slab_rows * k * 2)
+    return cuda_backend.CudaBackend(gemm="1")
 
 
 @pytest.mark.parametrize("n", [32, 77, 256])
 @pytest.mark.parametrize("rows,k,slab_rows", [(67, 4096, None), (130, 2304, 48)])
 @pytest.mark.parametrize("t", sorted(__import__("ntx_engine.backends.cuda_backend", fromlist=["GEMM_TYPES"]).GEMM_TYPES),
                          ids=lambda t: t.name)
-def test_gemm_matches_fp16_oracle(cuda_backend, synth, t, rows, k, slab_rows, n):
+def test_gemm_matches_fp16_oracle(cuda_backend, synth, monkeypatch, t, rows, k, slab_rows, n):
     rng = np.random.default_rng(7000 + rows + n + int(t))
     raw = synth.random_blocks(t, rows * k, rng)
     x = (rng.standard_normal((n, k)) * rng.uniform(0.1, 10, k)).astype(np.float32)
     x[n // 2, :7] *= 30000.0  # one token far beyond fp16's range: its row must be scaled
-    b = _gemm_backend(slab_rows, k)
+    b = _gemm_backend(slab_rows, k, monkeypatch)
     w = b.matrix(raw, t, (rows, k), "w")
     b.k.profile = []
     got = b.to_numpy(b.matmul(w, b.from_numpy(x)))

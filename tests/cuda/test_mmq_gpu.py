@@ -42,6 +42,6 @@ def test_mmq_matches_numpy_and_dp4a(cuda_backend, synth, t, rows, k, n):
     assert [name for name, *_ in b.k.profile if name.startswith("mmq")] == [f"mmq_{t.name.lower()}"]
     b.k.profile = None
     assert np.array_equal(via_backend, got)
-    plain = CudaBackend(mmq=False)
+    plain = CudaBackend(mmq=False, gemm="0")  # the dp4a kernels, not the fp16 prefill GEMM
     dp4a = plain.to_numpy(plain.matmul(plain.matrix(raw, t, (rows, k), "w"), plain.from_numpy(x)))
     assert _rel(got, dp4a) < 2e-6, "mmq and the dp4a kernels compute the same function"
