@@ -26,7 +26,7 @@ import numpy as np
 
 from ntx_common.errors import ModelError, UsageError
 from ntx_engine.expert_cache import CacheStats, ExpertCache
-from ntx_engine.moe import Experts, MoeTransformer, MoeWeightLoader, NumpyMoe
+from ntx_engine.moe import Experts, MoeTransformer, MoeWeightLoader, NumpyMoe, make_ops
 from ntx_engine.moe_plan import ExpertPlan, MoeOffloadPlan, make_expert_plan
 from ntx_engine.model import ResidentLayers
 
@@ -172,7 +172,7 @@ class ExpertOffload:
 
     def __init__(self, backend: Any, host: Any, plan: ExpertPlan, store: ExpertStore, layers: list) -> None:
         self.b, self.host, self.plan, self.store = backend, host, plan, store
-        self.moe = backend_ops(backend)
+        self.moe = make_ops(backend)
         self.sides = list(plan.sides)
         self.pools = make_pools(backend, plan, layers, plan.policy) if plan.n_slots else []
         self.pool_of = {i: p for p in self.pools for i in p.layers}
@@ -180,6 +180,7 @@ class ExpertOffload:
         self.host_experts: dict[int, tuple] = {}
         for i in plan.layers_on("cpu"):
             self._host_layer(i)
+        self.prefetcher = None  # moe_prefetch.Prefetcher when the experiment is on
         self.reset_stats()
 
     def _host_layer(self, i: int) -> None:
@@ -195,7 +196,10 @@ class ExpertOffload:
         self.selections[self.sides[i]] += ids_h.size
         if self.sides[i] == "cpu":
             return self._on_cpu(i, h, ids_h)
-        return self._on_gpu(i, h, ids_h)
+        down = self._on_gpu(i, h, ids_h)
+        if self.prefetcher is not None and ids_h.shape[0] == 1:
+            self.prefetcher.after_layer(i, h)
+        return down
 
     def _on_gpu(self, i: int, h: Any, ids: np.ndarray) -> Any:
         m, uniq, pool = self.moe, np.unique(ids), self.pool_of[i]
@@ -219,6 +223,8 @@ class ExpertOffload:
     def _acquire(self, pool: SlotPool, i: int, group: np.ndarray, ids: np.ndarray) -> tuple[Any, list[int]]:
         """The group's experts in slots (misses copied in); ids as slot indices, -1 outside."""
         slots, fills = pool.cache.acquire(i, group)
+        if self.prefetcher is not None:
+            self.prefetcher.looked_up(i, group, fills)
         for e, slot in fills:
             parts, staged = self.store.parts(i, e)
             pool.slots.fill(slot, parts)
@@ -246,6 +252,8 @@ class ExpertOffload:
         self._first = 0
         for p in self.pools:
             p.cache.reset_stats()
+        if self.prefetcher is not None:
+            self.prefetcher.reset()
 
     def cache_stats(self) -> CacheStats | None:
         if not self.pools:
@@ -267,11 +275,17 @@ class ExpertOffload:
                 "layers_gpu": self.sides.count("gpu"), "layers_cpu": self.sides.count("cpu"),
                 "tokens": self.tokens, "selections": dict(self.selections), "cache": cache,
                 "h2d_bytes_per_token": per_tok(copied),
-                "cpu_bytes_per_token": per_tok(self.selections["cpu"] * self.plan.slot_bytes)}
+                "cpu_bytes_per_token": per_tok(self.selections["cpu"] * self.plan.slot_bytes),
+                "prefetch": self.prefetcher.stats() if self.prefetcher is not None else None}
 
-    def configure(self, policy: str | None = None, side: str | None = None) -> None:
-        """Switch the cache policy (the caches start empty) or the side of every layer (the
-        benchmark compares modes on one loaded model)."""
+    def configure(self, policy: str | None = None, side: str | None = None, prefetch: bool | None = None) -> None:
+        """Switch the cache policy (the caches start empty), the side of every layer, or the
+        prefetch experiment (the benchmark compares modes on one loaded model)."""
+        if prefetch is not None:
+            from ntx_engine.moe_prefetch import Prefetcher
+
+            routers = [lw.router for lw in self.store.layers]
+            self.prefetcher = Prefetcher(self, routers, self.plan.n_used, False) if prefetch else None
         if policy is not None:
             for p in self.pools:
                 p.cache = ExpertCache(p.cache.n_slots, policy)
@@ -295,12 +309,6 @@ class ExpertOffload:
         self.store.close()
         if self.host is not None and self.host is not self.b and hasattr(self.host, "close"):
             self.host.close()
-
-
-def backend_ops(backend: Any) -> Any:
-    from ntx_engine.moe import make_ops
-
-    return make_ops(backend)
 
 
 class OffloadedLayers(ResidentLayers):

@@ -13,7 +13,8 @@ locality real models have: hit rates here are those of near-uniform routing, a f
 cache, not a prediction for a real Mixtral.
 
 One process loads the model once and switches modes (`ExpertOffload.configure`): lru, then lfu
-(each cache starts empty), then cpu. Each mode decodes `--warmup` tokens (the cache fills),
+(each cache starts empty), lru with the next-layer prefetch experiment (moe_prefetch.py), then
+cpu. Each mode decodes `--warmup` tokens (the cache fills),
 resets its counters, then times `--decode` tokens.
 """
 
@@ -126,8 +127,9 @@ def run_modes(path: Path, args) -> dict:
     prompt = rng.integers(0, cfg.vocab_size, 16)
     tok, pos = int(np.argmax(model.forward(prompt, 0)[-1])), len(prompt)
     results = {}
-    for mode, kw in (("gpu-lru", {"policy": "lru", "side": "gpu"}), ("gpu-lfu", {"policy": "lfu"}),
-                     ("cpu", {"side": "cpu"})):
+    modes = [("gpu-lru", {"policy": "lru", "side": "gpu"}), ("gpu-lfu", {"policy": "lfu"}),
+             ("gpu-lru-prefetch", {"policy": "lru", "prefetch": True}), ("cpu", {"side": "cpu", "prefetch": False})]
+    for mode, kw in modes:
         try:
             off.configure(**kw)
         except Exception as exc:  # e.g. no native CPU kernels: report, keep the other modes
@@ -141,7 +143,7 @@ def run_modes(path: Path, args) -> dict:
         tok_s = args.decode / secs
         results[mode] = {"decode_tok_s": tok_s, "bound_tok_s": 1 / b, "achieved_over_bound": tok_s * b,
                          "hit_rate": (st["cache"] or {}).get("hit_rate"), "h2d_bytes_per_token": st["h2d_bytes_per_token"],
-                         "cpu_bytes_per_token": st["cpu_bytes_per_token"], "stats": st}
+                         "cpu_bytes_per_token": st["cpu_bytes_per_token"], "prefetch": st["prefetch"], "stats": st}
         print(mode, json.dumps({k: v for k, v in results[mode].items() if k != "stats"}), flush=True)
     model.source.close()
     return {"load_s": load_s, "plan": plan.as_dict(), "results": results}
@@ -184,13 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     print(f"\nnote: {NOTE}")
-    print(f"{'mode':8} {'tok/s':>8} {'bound':>8} {'ach/bnd':>8} {'hit':>6} {'H2D MB/tok':>11} {'CPU MB/tok':>11}")
+    print(f"{'mode':16} {'tok/s':>8} {'bound':>8} {'ach/bnd':>8} {'hit':>6} {'H2D MB/tok':>11} {'CPU MB/tok':>11}")
     for mode, r in res["results"].items():
         if "error" in r:
-            print(f"{mode:8} error: {r['error']}")
+            print(f"{mode:16} error: {r['error']}")
             continue
         hit = f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else "-"
-        print(f"{mode:8} {r['decode_tok_s']:8.2f} {r['bound_tok_s']:8.2f} {r['achieved_over_bound']:8.2f} {hit:>6} "
+        print(f"{mode:16} {r['decode_tok_s']:8.2f} {r['bound_tok_s']:8.2f} {r['achieved_over_bound']:8.2f} {hit:>6} "
               f"{(r['h2d_bytes_per_token'] or 0) / 1e6:11.1f} {(r['cpu_bytes_per_token'] or 0) / 1e6:11.1f}")
     return 0
 

@@ -85,6 +85,27 @@ def test_decode_lookups_equal_selections(oracle_manifest):
         eng.close()
 
 
+@pytest.mark.parametrize("name", ["tiny-llamamoe-Q8_0", "tiny-qwen3moe-Q8_0"])
+def test_prefetch_changes_hits_not_tokens(oracle_manifest, name):
+    """The next-layer prefetch (moe_prefetch.py) only moves bytes earlier: same tokens; its
+    useful guesses are hits the plain cache would not have had unless already cached."""
+    runs = {}
+    for pf in (False, True):
+        eng = Engine.load(oracle_manifest["models"][name],
+                          EngineConfig(device="numpy", n_ctx=64, links=LINKS, expert_slots=6))
+        try:
+            eng.model.offload.configure(prefetch=pf)
+            runs[pf] = list(eng.generate([3], 24)), eng.tier_stats()["experts"]
+        finally:
+            eng.close()
+    (toks, plain), (toks_pf, pf) = runs[False], runs[True]
+    assert toks == toks_pf and plain["prefetch"] is None
+    p, c = pf["prefetch"], pf["cache"]
+    assert 0 < p["useful"] <= p["issued"] and c["hits"] + c["misses"] == pf["selections"]["gpu"]
+    assert c["copied_bytes"] == (c["misses"] * pf["slot_bytes"] + p["copied_bytes"])
+    assert p["copied_bytes"] == p["issued"] * pf["slot_bytes"]
+
+
 def test_experts_on_storage_give_the_resident_run(oracle_manifest, resident):
     """RAM budget 0: every miss reads the expert's three byte ranges from the file."""
     name = "tiny-llamamoe-Q8_0"
