@@ -195,11 +195,11 @@ class MoeWeightLoader(WeightLoader):
         )
 
     def matrix_specs(self, i: int) -> dict:
-        """The streaming tiers build a streamed layer from its 2-D matrices; MoE layers have 3-D
-        expert tensors that need per-expert reads (docs/moe.md), which the tiers do not do yet."""
-        raise ModelError(f"{self.gf.path}: layer {i} of this mixture-of-experts model would have to stream or "
-                         "run on the CPU tier, which MoE layers do not support yet; give a VRAM budget "
-                         "that holds every layer (--vram-budget)")
+        """The streaming tiers build a streamed layer from its 2-D matrices; a MoE layer is never
+        streamed whole: `engine.load_model` offloads its experts instead (moe_offload.py)."""
+        raise ModelError(f"{self.gf.path}: layer {i} is a mixture-of-experts layer, which is not streamed "
+                         "whole; load the model with Engine.load / engine.load_model, which keeps the dense "
+                         "part in VRAM and offloads the experts (docs/moe.md)")
 
     def _gate_row(self, name: str) -> Any:
         """The shared expert's gate, a 1-D (n_embd,) tensor, as a (1, n_embd) matrix: llama.cpp
