@@ -20,7 +20,7 @@ layer per token. Real models route with locality and do better; the benchmark me
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from ntx_common.errors import UsageError
 from ntx_engine.config import ModelConfig
