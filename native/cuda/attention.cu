@@ -93,22 +93,46 @@ extern "C" __global__ void attention(const float* __restrict__ q, const uint16_t
 #define ATTN_CHUNK 64
 #define ATTN_SPLIT_THREADS 256
 
-// Pass 1: scores (n, n_head, n_ctx) = scale * fp16(q) . k; cmax (n, n_head, nchunk) chunk maxima.
+// The softmax statistics of one (token, head) over positions 0..T-1: the global max M of the chunk
+// maxima and the double sum of exp(s - M), each thread over p = tid, tid + blockDim, ... then a
+// block sum. Formed once, by the last chunk's block of attn_scores to finish, so every attn_pv
+// block reads the very same bits (this used to be recomputed by each of them). __ldcg: another
+// SM wrote these values in this kernel, so they are read from L2, never from a stale L1 line.
+__device__ void softmax_stats(const float* sc, const float* cm, int used, int T, float* gmax, double* gsum,
+                              float* red, double* red_d) {
+    float m = -3.402823466e38f;
+    for (int i = threadIdx.x; i < used; i += blockDim.x) m = fmaxf(m, __ldcg(cm + i));
+    m = block_max(m, red);
+    double sum = 0.0;
+    for (int p = threadIdx.x; p < T; p += blockDim.x) sum += (double)expf(__ldcg(sc + p) - m);
+    sum = block_sum_d(sum, red_d);
+    if (threadIdx.x == 0) {
+        *gmax = m;
+        *gsum = sum;
+    }
+}
+
+// Pass 1: scores (n, n_head, n_ctx) = scale * fp16(q) . k; cmax (n, n_head, nchunk) chunk maxima;
+// the last block of each (token, head) to finish also writes gmax/gsum (n, n_head) and resets
+// that (token, head)'s arrival counter (zero between launches, so a captured graph replays).
 extern "C" __global__ void __launch_bounds__(ATTN_SPLIT_THREADS)
-attn_scores(const float* __restrict__ q, const uint16_t* __restrict__ kc, float* __restrict__ scores,
-            float* __restrict__ cmax, const int* __restrict__ pos, int n_head, int n_kv, int hd,
-            int n_ctx, float scale) {
+attn_scores(const float* __restrict__ q, const uint16_t* __restrict__ kc, float* scores, float* cmax,
+            const int* __restrict__ pos, int n_head, int n_kv, int hd, int n_ctx, float scale,
+            unsigned int* counter, float* gmax, double* gsum) {
     NTX_PDL();
     __shared__ float qs[256], red[32];
+    __shared__ double red_d[32];
+    __shared__ bool last;
     const int h = blockIdx.x, c = blockIdx.y, t = blockIdx.z, nchunk = gridDim.y;
     const int T = pos[t] + 1, p0 = c * ATTN_CHUNK, p1 = min(p0 + ATTN_CHUNK, T);
     if (p0 >= T) return;  // the whole block
     const int kvh = h / (n_head / n_kv), kv_dim = n_kv * hd;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const float* qh = q + ((size_t)t * n_head + h) * hd;
+    const size_t th = (size_t)t * n_head + h;
+    const float* qh = q + th * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = ntx_round_f16(qh[d]);
     __syncthreads();
-    float* sc = scores + ((size_t)t * n_head + h) * n_ctx;
+    float* sc = scores + th * n_ctx;
     float m = -3.402823466e38f;
     for (int p = p0 + warp; p < p1; p += nw) {
         const uint16_t* kr = kc + (size_t)p * kv_dim + kvh * hd;
@@ -120,29 +144,33 @@ attn_scores(const float* __restrict__ q, const uint16_t* __restrict__ kc, float*
         m = fmaxf(m, s);
     }
     m = block_max(m, red);
-    if (threadIdx.x == 0) cmax[((size_t)t * n_head + h) * nchunk + c] = m;
+    if (threadIdx.x == 0) cmax[th * nchunk + c] = m;
+    const int used = (T + ATTN_CHUNK - 1) / ATTN_CHUNK;
+    __threadfence();  // this block's scores and maximum are visible before it is counted
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counter + th, 1u) == (unsigned int)(used - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    softmax_stats(sc, cmax + th * nchunk, used, T, gmax + th, gsum + th, red, red_d);
+    if (threadIdx.x == 0) counter[th] = 0u;
 }
 
-// Pass 2: per chunk, p = fp16(exp(s - M) / sum) with the global M and double sum (each block
-// forms them from pass 1's output), then part (n, n_head, nchunk, hd) = p . V over the chunk.
+// Pass 2: per chunk, p = fp16(exp(s - M) / sum) with pass 1's global M and double sum, then
+// part (n, n_head, nchunk, hd) = p . V over the chunk.
 extern "C" __global__ void __launch_bounds__(ATTN_SPLIT_THREADS)
-attn_pv(const float* __restrict__ scores, const float* __restrict__ cmax, const uint16_t* __restrict__ vc,
-        float* __restrict__ part, const int* __restrict__ pos, int n_head, int n_kv, int hd, int n_ctx) {
+attn_pv(const float* __restrict__ scores, const float* __restrict__ gmax, const double* __restrict__ gsum,
+        const uint16_t* __restrict__ vc, float* __restrict__ part, const int* __restrict__ pos, int n_head,
+        int n_kv, int hd, int n_ctx) {
     NTX_PDL();
-    __shared__ double red_d[32];
-    __shared__ float red[32], prob[ATTN_CHUNK], acc_s[ATTN_SPLIT_THREADS];
+    __shared__ float prob[ATTN_CHUNK], acc_s[ATTN_SPLIT_THREADS];
     const int h = blockIdx.x, c = blockIdx.y, t = blockIdx.z, nchunk = gridDim.y;
     const int T = pos[t] + 1, p0 = c * ATTN_CHUNK, p1 = min(p0 + ATTN_CHUNK, T);
     if (p0 >= T) return;
-    const int used = (T + ATTN_CHUNK - 1) / ATTN_CHUNK;
     const size_t th = (size_t)t * n_head + h;
-    float m = -3.402823466e38f;
-    for (int i = threadIdx.x; i < used; i += blockDim.x) m = fmaxf(m, cmax[th * nchunk + i]);
-    m = block_max(m, red);
+    const float m = gmax[th];
+    const double sum = gsum[th];
     const float* sc = scores + th * n_ctx;
-    double sum = 0.0;
-    for (int p = threadIdx.x; p < T; p += blockDim.x) sum += (double)expf(sc[p] - m);
-    sum = block_sum_d(sum, red_d);
     for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x)
         prob[p - p0] = ntx_round_f16((float)((double)expf(sc[p] - m) / sum));
     __syncthreads();

@@ -398,7 +398,7 @@ class CudaBackend:
         if self.attn == "split" and n == 1 and c.head_dim <= 256:
             nchunk = -(-self.n_ctx // ATTN_CHUNK)
             scratch = (self._new(n, c.n_head, self.n_ctx), self._new(n, c.n_head, nchunk),
-                       self._new(n, c.n_head, nchunk, c.head_dim))
+                       self._new(n, c.n_head, nchunk, c.head_dim), *self._attn_stats)
             self.k.attention_split(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, self.n_ctx,
                                    scale, scratch, self.stream)
             return out
@@ -444,6 +444,9 @@ class CudaBackend:
         self.v_cache = [self._new(n_ctx, cfg.kv_dim, dtype=np.float16) for _ in range(cfg.n_layers)]
         self._pending, self._last_norm, self._act_cache = None, None, None
         self._f16_cache, self._gemm_ws = None, None  # the slab is sized from this model's shapes
+        # split attention's per-head arrival counters (zero between launches), softmax max and sum
+        self._attn_stats = (upload(self.pool, np.zeros(cfg.n_head, np.uint32), self.stream),
+                            self._new(cfg.n_head), self._new(cfg.n_head, dtype=np.float64))
         self.pos_buf = self._new(n_ctx, dtype=np.int32)
         self.ids_buf = self._new(n_ctx, dtype=np.int32)
         self._staged = None

@@ -241,14 +241,16 @@ class Kernels:
 
     def attention_split(self, q, kc, vc, out, pos, n_head, n_kv, head_dim, n_ctx, scale, scratch, stream) -> None:
         """Split-K attention (attn_scores, attn_pv, attn_reduce); scratch = (scores (n, n_head,
-        n_ctx), cmax (n, n_head, nchunk), part (n, n_head, nchunk, head_dim)) float32."""
+        n_ctx), cmax (n, n_head, nchunk), part (n, n_head, nchunk, head_dim) float32, counter
+        (n, n_head) uint32 that must start at zero (attn_scores leaves it so), gmax (n, n_head)
+        float32, gsum (n, n_head) float64)."""
         n, nchunk = q.shape[0], _cdiv(n_ctx, ATTN_CHUNK)
-        scores, cmax, part = scratch
+        scores, cmax, part, counter, gmax, gsum = scratch
         grid, block = (n_head, nchunk, n), (ATTN_SPLIT_THREADS,)
         self._go("attention.cu", "attn_scores", grid, block,
-                 (q, kc, scores, cmax, pos, n_head, n_kv, head_dim, n_ctx, float(scale)), stream)
-        self._go("attention.cu", "attn_pv", grid, block, (scores, cmax, vc, part, pos, n_head, n_kv, head_dim, n_ctx),
-                 stream)
+                 (q, kc, scores, cmax, pos, n_head, n_kv, head_dim, n_ctx, float(scale), counter, gmax, gsum), stream)
+        self._go("attention.cu", "attn_pv", grid, block,
+                 (scores, gmax, gsum, vc, part, pos, n_head, n_kv, head_dim, n_ctx), stream)
         self._go("attention.cu", "attn_reduce", (n_head, n), (head_dim,), (part, out, pos, n_head, head_dim, nchunk),
                  stream)
 
