@@ -7,6 +7,7 @@ layers begins or ends (a few KB per token); each CPU layer's KV cache lives in h
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,9 @@ class HostLayers:
         self.view = copy.copy(model)  # the same layer code over the host backend
         self.view.backend = host
         self.boundaries = 0  # activation transfers since creation (both directions)
+        plan = getattr(model, "plan", None)
+        self._nbytes = {p.layer: p.nbytes for p in plan.placements} if plan is not None else {}
+        self.reset_stats()
         self.gpu_pass = False
         self._upload = getattr(model.backend, "from_numpy", None) or (lambda a: a)
         self._forward = model.forward
@@ -74,9 +78,22 @@ class HostLayers:
             if not isinstance(x, OnHost):
                 x = OnHost(np.ascontiguousarray(self.model.backend.to_numpy(x), np.float32))
                 self.boundaries += 1
+            t0 = time.perf_counter()
             x.x = self._host_block(i, lw, x.x, pos, start)
+            self.cpu_s += time.perf_counter() - t0
+            self.cpu_bytes += self._nbytes.get(i, 0)
+            self.cpu_calls += 1
             return x
         return self.model.block(i, lw, self.settle(x), pos, start)
+
+    def reset_stats(self) -> None:
+        self.cpu_s, self.cpu_bytes, self.cpu_calls = 0.0, 0, 0
+
+    def stats(self) -> dict:
+        """Host layer calls since the last reset: the CPU rate achieved inside the pipeline (the
+        planner's probe, links.cpu_bps, should predict it)."""
+        return {"calls": self.cpu_calls, "seconds": self.cpu_s, "bytes": self.cpu_bytes,
+                "gb_s": self.cpu_bytes / self.cpu_s / 1e9 if self.cpu_s > 0 else None}
 
     def settle(self, x: Any) -> Any:
         if isinstance(x, OnHost):

@@ -19,7 +19,7 @@ from ntx_engine.planner import Links
 
 PROBE_BYTES = 256 << 20
 STORAGE_PROBE = 1 << 30
-CACHE_VERSION = 5  # bump when a probe changes: old figures then stop being used (5: whole-layer CPU probe)
+CACHE_VERSION = 6  # bump when a probe changes: old figures then stop being used (6: whole-layer CPU probe)
 CACHE = Path(os.environ.get("NTX_CACHE", Path.home() / ".cache" / "ntx")) / "links.json"
 
 
@@ -145,11 +145,14 @@ def _matrix_probe(host: Any, gf: Any):
 
 
 PROBE_CTX, PROBE_POS = 64, 32  # the probe's decode step attends over 33 positions
+PROBE_LAYER_BYTES = 256 << 20  # enough distinct layers to overflow the caches (small models)
 
 
 def _layer_probe(host: Any, gf: Any):
-    """(run layer 0 once, its matrix bytes) through the host's whole-layer call, or None when the
-    host has none or the model is not a dense llama-family one (MoE: the matrix probe)."""
+    """(run one decode step through the first layers, their matrix bytes) through the host's
+    whole-layer call, or None when the host has none or the model is not a dense llama-family
+    one (MoE: the matrix probe). As many layers as make PROBE_LAYER_BYTES: a small model's
+    single layer would sit in the CPU caches and overstate the DRAM rate several times."""
     if not hasattr(host, "run_block") or not hasattr(gf, "metadata"):
         return None
     from ntx_common.errors import NtxError
@@ -160,18 +163,23 @@ def _layer_probe(host: Any, gf: Any):
         cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
         if cfg.is_moe:
             return None
-        loader = WeightLoader(gf, cfg, host)
-        specs = loader.matrix_specs(0)
-        mats = {f: host.matrix(np.array(gf.tensor_data(name), np.uint8), t, shape, name)
-                for f, (name, t, shape) in specs.items()}
-        lw = LayerWeights(**mats, **loader.layer_vectors(0))
+        loader, layers, nbytes = WeightLoader(gf, cfg, host), [], 0
+        while len(layers) < cfg.n_layers and (not layers or nbytes < PROBE_LAYER_BYTES):
+            specs = loader.matrix_specs(len(layers))
+            mats = {f: host.matrix(np.array(gf.tensor_data(name), np.uint8), t, shape, name)
+                    for f, (name, t, shape) in specs.items()}
+            layers.append(LayerWeights(**mats, **loader.layer_vectors(len(layers))))
+            nbytes += sum(w.nbytes for w in mats.values())
     except (NtxError, ValueError, KeyError):
         return None
-    model = Transformer(cfg, ModelWeights(None, None, None, [lw], None), host, PROBE_CTX)
+    model = Transformer(cfg, ModelWeights(None, None, None, layers, None), host, PROBE_CTX)
     x = np.random.default_rng(0).standard_normal((1, cfg.n_embd)).astype(np.float32) * np.float32(0.1)
     pos = np.arange(PROBE_POS, PROBE_POS + 1)
-    nbytes = sum(t.nbytes for t in _layer0_matrices(gf))
-    return (lambda: host.run_block(model, 0, lw, x, pos, PROBE_POS)), nbytes
+
+    def run() -> None:
+        for i, lw in enumerate(layers):
+            host.run_block(model, i, lw, x, pos, PROBE_POS)
+    return run, nbytes
 
 
 def _copy_loop(backend: Any, stop: threading.Event, nbytes: int = 256 << 20) -> None:

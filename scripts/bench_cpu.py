@@ -195,23 +195,27 @@ def layer_bench(model_path: Path | None, threads: int, seconds: float, rounds: i
             "whole_layer": lambda *a: backend.run_block(model, *a)}
     doc = {"model": str(path), "threads": threads, "simd": backend.kernels.simd, "layer_matrix_bytes": mat_bytes,
            "load_avg_1m": os.getloadavg()[0]}
+    host = NativeCpuBackend(threads=threads, kernels=backend.kernels)  # the probe's own KV cache
+    probes = []
     for busy in (False, True):
         stop = threading.Event()
         hog = threading.Thread(target=_busy_python, args=(stop,), daemon=True) if busy else None
         if hog:
             hog.start()
         per = {k: [] for k in ways}
-        for _ in range(rounds):  # alternate so load from other processes hits both alike
+        for _ in range(rounds):  # alternate so load from other processes hits all alike
             for k, run in ways.items():
                 per[k] += _time_layers(model, run, seconds)
+            if not busy:
+                probes.append(links.cpu_bps(host, host, gf, seconds) / 1e9)
         stop.set()
+        if hog:
+            hog.join()
         for k, ts in per.items():
             med = statistics.median(ts)
             doc[f"{k}{'_busy_python' if busy else ''}"] = {"ms_per_layer": med * 1e3, "gb_s": mat_bytes / med / 1e9}
-    host = NativeCpuBackend(threads=threads)
-    doc["probe_gb_s"] = links.cpu_bps(host, host, gf) / 1e9
+    doc["probe_gb_s"] = statistics.median(probes)
     doc["probe_over_whole_layer"] = doc["probe_gb_s"] / doc["whole_layer"]["gb_s"]
-    host.close()
     backend.close()
     gf.close()
     return doc

@@ -112,6 +112,9 @@ def bench_one(path: Path, vram: str | None, ram: str | None, tiers: str, decode:
         tok = int(np.argmax(logits[-1]))
         if hasattr(src, "reset_stats"):
             src.reset_stats()
+        host_layers = getattr(model, "host_layers", None)
+        if host_layers is not None:
+            host_layers.reset_stats()
         greedy = getattr(model, "greedy", None)  # all resident on a GPU: the decode graph's argmax
         t1 = time.perf_counter()
         for i in range(decode):
@@ -119,6 +122,7 @@ def bench_one(path: Path, vram: str | None, ram: str | None, tiers: str, decode:
             tok = greedy(tok, pos) if greedy else int(np.argmax(model.forward(np.asarray([tok]), pos)[-1]))
         decode_s = time.perf_counter() - t1
         pipe = src.stats.as_dict() if hasattr(src, "stats") else None
+        cpu = host_layers.stats() if host_layers is not None else None  # the CPU layers' achieved rate
         pp = None
         if prefill:
             ids = rng.integers(0, cfg.vocab_size, prefill)
@@ -133,11 +137,17 @@ def bench_one(path: Path, vram: str | None, ram: str | None, tiers: str, decode:
         bound = 1.0 / plan.predicted_token_s
         return {"tiers": tiers, "hybrid": hybrid, "vram_budget": vram, "ram_budget": ram, "load_s": load_s,
                 "decode_tok_s": tok_s, "prefill_tok_s": pp, "bound_tok_s": bound,
-                "token_time_over_bound": bound / tok_s, "plan": plan.as_dict(), "pipeline": pipe}
+                "token_time_over_bound": bound / tok_s, "plan": plan.as_dict(), "pipeline": pipe,
+                "cpu_layers": cpu, "cpu_probe_gb_s": plan.links.cpu / 1e9}
     finally:
         if hasattr(src, "close"):
             src.close()
         gf.close()
+
+
+def _cpu_rate(r: dict) -> str:
+    cpu = r.get("cpu_layers") or {}
+    return f"{cpu['gb_s']:.1f}/{r['cpu_probe_gb_s']:.1f}" if cpu.get("gb_s") else "-"
 
 
 def run_child(path: Path, scenario: str, tiers: str, decode: int, prefill: int, args) -> dict:
@@ -218,14 +228,15 @@ def main(argv: list[str] | None = None) -> int:
            "machine": platform.node(), "command": " ".join(sys.argv), "results": results}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
-    print(f"\n{'scen':5} {'vram':>6} {'ram':>6} {'tok/s':>8} {'bound':>8} {'t/bound':>8} {'pp tok/s':>9} {'xbase':>7}  GB vram/ram/sto/cpu")
+    print(f"\n{'scen':5} {'vram':>6} {'ram':>6} {'tok/s':>8} {'bound':>8} {'t/bound':>8} {'pp tok/s':>9} {'xbase':>7}  "
+          "GB vram/ram/sto/cpu  CPU layers GB/s achieved/probe")
     for name, r in results.items():
         b = r["plan"]["bytes_per_tier"]
         gb = "/".join(f"{b[t] / 1e9:.1f}" for t in ("vram", "ram", "storage", "cpu"))
         pp = f"{r['prefill_tok_s']:.1f}" if r["prefill_tok_s"] else "-"
         xb = f"{r['speedup_over_baseline']:.1f}" if "speedup_over_baseline" in r else "-"
         print(f"{name:5} {str(r['vram_budget']):>6} {str(r['ram_budget']):>6} {r['decode_tok_s']:8.2f} "
-              f"{r['bound_tok_s']:8.2f} {r['token_time_over_bound']:8.2f} {pp:>9} {xb:>7}  {gb}")
+              f"{r['bound_tok_s']:8.2f} {r['token_time_over_bound']:8.2f} {pp:>9} {xb:>7}  {gb}  {_cpu_rate(r)}")
     return 0
 
 
