@@ -40,7 +40,7 @@ def run(
     storage: Annotated[str, typer.Option("--storage", help="Reader for storage-tier layers: auto, direct (O_DIRECT), mmap, vfio.")] = "auto",
     tiers: Annotated[str, typer.Option("--tiers", help="auto, or mmap-baseline: the naive synchronous per-layer copy benchmarks compare against.")] = "auto",
     slots: Annotated[Optional[int], typer.Option("--slots", min=2, help="VRAM ring slots for streamed layers (default: the planner's).")] = None,
-    hybrid: Annotated[str, typer.Option("--hybrid", help="auto: next to a GPU, the planner may compute some non-resident layers on the CPU (native kernels) while others stream; off: never.")] = "auto",
+    hybrid: Annotated[str, typer.Option("--hybrid", help="auto: next to a GPU, the planner may compute some non-resident layers on the CPU (native kernels) while others stream; cpu: every non-resident layer on the CPU (none streams); off: never.")] = "auto",
     expert_cache: Annotated[str, typer.Option("--expert-cache", help="MoE models whose experts are offloaded: the VRAM expert cache's policy, lru or lfu (frequency with aging).")] = "lru",
     expert_slots: Annotated[Optional[int], typer.Option("--expert-slots", help="MoE: expert cache slots (default: what the VRAM budget leaves); giving it forces the expert offload.")] = None,
     moe_experts: Annotated[str, typer.Option("--moe-experts", help="MoE offloaded experts computed on: auto (the planner picks from measured links), gpu (VRAM expert cache), cpu (native CPU kernels from RAM).")] = "auto",

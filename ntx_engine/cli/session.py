@@ -36,7 +36,7 @@ class RunOptions:
     storage: str = "auto"
     tiers: str = "auto"
     slots: Optional[int] = None
-    hybrid: str = "auto"  # auto | off: CPU-computed layers next to a GPU
+    hybrid: str = "auto"  # auto | off | cpu: CPU-computed layers next to a GPU (cpu: all non-resident)
     skip_threshold: Optional[float] = None  # --skip-threshold / --skip-layers: skip.py
     skip_layers: Optional[int] = None
     speculate: Optional[str] = None  # --speculate k|auto, --draft-model, --draft-layers: speculative.py
@@ -52,11 +52,12 @@ class RunOptions:
         vram = None if self.vram_budget is None else parse_size(self.vram_budget, "--vram-budget")
         ram = None if self.ram_budget is None else parse_size(self.ram_budget, "--ram-budget")
         try:
-            if self.hybrid not in ("auto", "off"):
-                raise ValueError(f"--hybrid must be auto or off, got {self.hybrid!r}")
+            if self.hybrid not in ("auto", "off", "cpu"):
+                raise ValueError(f"--hybrid must be auto, off or cpu, got {self.hybrid!r}")
             return EngineConfig(device=self.device, n_ctx=self.ctx, vram_budget=vram, ram_budget=ram,
                                 storage=self.storage, tiers=self.tiers, n_slots=self.slots,
-                                host_device=None if self.hybrid == "auto" else "none",
+                                host_device="none" if self.hybrid == "off" else None,
+                                hybrid="cpu" if self.hybrid == "cpu" else "auto",
                                 expert_cache=self.expert_cache, expert_slots=self.expert_slots,
                                 moe_experts=self.moe_experts)
         except ValueError as exc:

@@ -202,3 +202,16 @@ def test_cpu_probe_times_the_whole_layer_call(smollm2_path, oracle_manifest):
             assert links.cpu_bps(host, host, gf, seconds=0.05) > 0
     finally:
         host.close()
+
+
+def test_cli_hybrid_values():
+    from ntx_common.errors import UsageError
+    from ntx_engine.cli.session import RunOptions
+
+    base = dict(model=None, max_tokens=1, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                seed=None, system=None, raw=True, device="numpy", ctx=64, json=True)
+    ecfg = RunOptions(**base, hybrid="cpu").engine_config()
+    assert ecfg.hybrid == "cpu" and ecfg.host_device is None
+    assert RunOptions(**base, hybrid="off").engine_config().host_device == "none"
+    with pytest.raises(UsageError, match="auto, off or cpu"):
+        RunOptions(**base, hybrid="gpu").engine_config()
