@@ -134,6 +134,9 @@ attn_scores(const float* __restrict__ q, const uint16_t* __restrict__ kc, float*
     __syncthreads();
     float* sc = scores + th * n_ctx;
     float m = -3.402823466e38f;
+    // unrolled so the K rows of several positions are in flight at once (each iteration alone is
+    // a chain of dependent global loads and shuffles); the arithmetic per position is unchanged
+#pragma unroll 4
     for (int p = p0 + warp; p < p1; p += nw) {
         const uint16_t* kr = kc + (size_t)p * kv_dim + kvh * hd;
         float s = 0.f;
@@ -177,8 +180,11 @@ attn_pv(const float* __restrict__ scores, const float* __restrict__ gmax, const 
     const int kvh = h / (n_head / n_kv), kv_dim = n_kv * hd;
     const int d = threadIdx.x % hd, g = threadIdx.x / hd, G = blockDim.x / hd;
     float acc = 0.f;
-    if (g < G)
+    if (g < G) {
+        // unrolled: the V loads of 8 positions issue together (the sum is still in position order)
+#pragma unroll 8
         for (int p = p0 + g; p < p1; p += G) acc += prob[p - p0] * ntx_h2f(vc[(size_t)p * kv_dim + kvh * hd + d]);
+    }
     acc_s[threadIdx.x] = acc;
     __syncthreads();
     if (g == 0) {
