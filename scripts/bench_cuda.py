@@ -59,7 +59,7 @@ def timed(fn, backend) -> float:
     return time.perf_counter() - t0
 
 
-def kernel_times(model, backend, token: int, pos: int, reps: int = 3, hold_us: int = 300_000) -> tuple[dict, float]:
+def kernel_times(model, backend, token, pos: int, reps: int = 3, hold_us: int = 300_000) -> tuple[dict, float]:
     """Per-kernel GPU time of one plain decode step, mean of reps steps: CUDA events around every
     launch, the whole step queued behind a hold_us spin kernel so that the events time the GPU
     and not Python's launch rate. Returns ({kernel: {"ms": per token, "launches": per token}},
@@ -72,7 +72,7 @@ def kernel_times(model, backend, token: int, pos: int, reps: int = 3, hold_us: i
     for r in range(reps):
         backend.k._go("ops.cu", "spin_us", (1,), (1,), (hold_us,), backend.stream)
         backend.k.profile = []
-        model.forward(np.asarray([token]), pos + r)
+        model.forward(np.atleast_1d(np.asarray(token)), pos + r)  # a token, or a prefill chunk's ids
         backend.synchronize()
         prof, backend.k.profile = backend.k.profile, None
         for name, e0, e1 in prof:
@@ -209,12 +209,17 @@ def run(path: Path, n_prompt: int, n_decode: int, n_ctx: int, matvec: str = "fas
     graph.greedy(int(prompt[-1]), n_prompt)  # capture
     graph_s = timed(decode_graph, b)
     kernels, step_ms = kernel_times(model, b, int(prompt[-1]), n_prompt + n_decode)
+    # one prefill chunk the same way; cuBLAS's GEMMs are not among the timed launches, so they
+    # are the step's GPU time minus the kernels' (the gaps between launches are GPU-side there)
+    pre_kernels, pre_step_ms = kernel_times(model, b, prompt[:prefill_chunk], 0, reps=1, hold_us=1_000_000)
     bw = copy_bandwidth(b)
     per_tok, total = weight_bytes(weights)
     kv = 2 * cfg.n_layers * (n_prompt + n_decode // 2) * cfg.kv_dim * 2  # f16 K and V read, mean context
     tok_s = n_decode / graph_s
     return dict(model=str(path.name), matvec=matvec, attn=attn, pdl=b.k.pdl, fuse=sorted(b.fuse), mmq=b.mmq,
                 gemm=bool(b._cublas), prefill_chunk=prefill_chunk,
+                prefill_kernels=dict(list(pre_kernels.items())[:10]), prefill_chunk_gpu_ms=pre_step_ms,
+                prefill_outside_kernels_ms=pre_step_ms - sum(v["ms"] for v in pre_kernels.values()),
                 device=b.device.name, arch=b.device.arch, n_layers=cfg.n_layers,
                 weights_gb=total / 1e9, bytes_per_token_gb=(per_tok + kv) / 1e9, load_s=load_s,
                 prefill_tokens=n_prompt, prefill_tok_s=n_prompt / pre_s,

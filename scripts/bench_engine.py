@@ -51,6 +51,11 @@ def table(results: list[dict], top: int = 8) -> str:
                      f"vs graph step {r['decode_ms_per_token_graph']:.3f} ms")
         for name, v in list(r["kernels"].items())[:top]:
             lines.append(f"    {name:<24} {v['ms']:8.4f} ms  x{v['launches']}")
+        if top and "prefill_kernels" in r:
+            lines.append(f"  prefill chunk of {r['prefill_chunk']}: {r['prefill_chunk_gpu_ms']:.2f} ms GPU, "
+                         f"{r['prefill_outside_kernels_ms']:.2f} ms of it outside ntx kernels (cuBLAS)")
+            for name, v in list(r["prefill_kernels"].items())[:top]:
+                lines.append(f"    {name:<24} {v['ms']:8.4f} ms  x{v['launches']}")
     return "\n".join(lines)
 
 
