@@ -80,6 +80,9 @@ class Budgets:
     vram: int
     ram: int
     margin: int | None = None  # VRAM kept free; None: min(512 MiB, vram / 16)
+    # what the compute device's memory is called and set with, for messages (CPU only: the RAM)
+    device_memory: str = "VRAM"
+    option: str = "--vram-budget"
 
     def __post_init__(self) -> None:
         if self.vram < 0 or self.ram < 0 or (self.margin or 0) < 0:
@@ -295,8 +298,8 @@ def _impossible(budgets: Budgets, fixed: int, slot: int, cfg: ModelConfig, n_ctx
     else:  # the default margin grows with the budget: min(512 MiB, budget / 16)
         need = min(-(-base * 16 // 15), base + VRAM_MARGIN)
     raise PlanError(
-        f"a VRAM budget of {fmt_bytes(budgets.vram)} cannot run this model: it needs at least "
+        f"a {budgets.device_memory} budget of {fmt_bytes(budgets.vram)} cannot run this model: it needs at least "
         f"{fmt_bytes(need)} = KV cache for {n_ctx} tokens {fmt_bytes(kv_cache_bytes(cfg, n_ctx))} + "
         f"workspaces {fmt_bytes(ws)} + embeddings/head {fmt_bytes(head_bytes)} + "
         f"a {MIN_SLOTS}-slot ring {fmt_bytes(MIN_SLOTS * slot)} + margin {fmt_bytes(need - base)}; "
-        f"raise --vram-budget to {fmt_bytes(need)} or lower --ctx")
+        f"raise {budgets.option} to {fmt_bytes(need)} or lower --ctx")
