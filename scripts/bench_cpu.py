@@ -141,7 +141,9 @@ def kernel_table(model: Path) -> list[dict]:
     return rows
 
 
-SYNTHETIC_8B = Path("/tmp/ntx-bench/llama3-8b-q4_k_m-2.gguf")
+def synthetic_path(shape: str) -> Path:
+    """A 2-layer synthetic Q4_K_M model of a real shape, as bench_tiers.py's repeated writer makes it."""
+    return Path(f"/tmp/ntx-bench/{shape}-q4_k_m-2.gguf")
 
 
 def _busy_python(stop) -> None:
@@ -165,13 +167,11 @@ def _time_layers(model, run, seconds: float) -> list[float]:
     return times
 
 
-def layer_bench(model_path: Path | None, threads: int, seconds: float, rounds: int) -> dict:
+def layer_bench(model_path: Path | None, threads: int, seconds: float, rounds: int, shape: str = "llama3-8b") -> dict:
     """Per-layer decode time of op-by-op vs whole-layer native calls on a dense model (default:
-    a 2-layer Llama-3-8B-shaped Q4_K_M written once to /tmp), idle and next to a busy Python
+    a 2-layer Q4_K_M model of `shape` written once to /tmp), idle and next to a busy Python
     thread, against the CPU probe (links.cpu_bps) the planner would use with this many threads."""
     import threading
-
-    import numpy as np
 
     from ntx_engine import links
     from ntx_engine.backends.cpu_native import NativeCpuBackend
@@ -179,13 +179,13 @@ def layer_bench(model_path: Path | None, threads: int, seconds: float, rounds: i
     from ntx_engine.gguf import GGUFFile
     from ntx_engine.model import Transformer, WeightLoader
 
-    path = model_path or SYNTHETIC_8B
+    path = model_path or synthetic_path(shape)
     if not path.exists():
         sys.path.insert(0, str(ROOT / "scripts"))
         from bench_tiers import write_repeated_model
 
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_repeated_model(path, "llama3-8b", "q4_k_m", 2)
+        write_repeated_model(path, shape, "q4_k_m", 2)
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
     backend = NativeCpuBackend(threads=threads)
@@ -223,13 +223,14 @@ def layer_bench(model_path: Path | None, threads: int, seconds: float, rounds: i
 
 def layer_main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="bench_cpu.py layer", description=layer_bench.__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=None, help=f"a dense GGUF (default: {SYNTHETIC_8B}, written if absent)")
+    ap.add_argument("--model", type=Path, default=None, help="a dense GGUF (default: a synthetic one of --shape)")
+    ap.add_argument("--shape", default="llama3-8b", help="synthetic 2-layer Q4_K_M model: llama3-8b or llama3-70b")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--seconds", type=float, default=1.0, help="per way and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    text = json.dumps(layer_bench(args.model, args.threads, args.seconds, args.rounds), indent=1)
+    text = json.dumps(layer_bench(args.model, args.threads, args.seconds, args.rounds, args.shape), indent=1)
     if args.json:
         args.json.write_text(text + "\n")
     print(text)
