@@ -257,7 +257,7 @@ def _file_rate(path: Any, kind: str) -> float | None:
     from ntx_io.reader import open_reader
 
     try:
-        reader, _ = open_reader(path, kind, workers=READ_WORKERS, chunk=READ_CHUNK)
+        reader, _ = open_reader(path, kind, workers=READ_WORKERS, chunk=READ_CHUNK, evict=True)
     except NtxIOError:
         return None  # e.g. O_DIRECT on tmpfs
     try:

@@ -156,7 +156,7 @@ def build(gf: Any, loader: WeightLoader, spans: list[LayerSpan], plan: Plan, *, 
 
         kind = plan.links.storage_kind
         reader, _ = open_reader(gf.path, kind if kind in ("direct", "mmap") else "auto", workers=READ_WORKERS,
-                                chunk=READ_CHUNK)
+                                chunk=READ_CHUNK, evict=True)  # storage means storage: not the page cache
         owned = reader
     if reader is not None:
         size = reader.size

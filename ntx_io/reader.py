@@ -159,7 +159,8 @@ def open_reader(source: str | os.PathLike, kind: str = "auto", *, iommu: bool = 
     return _open_kernel_path(text, kind, **options)
 
 
-def _open_kernel_path(path: str, kind: str, **options) -> tuple[Reader, str]:
+def _open_kernel_path(path: str, kind: str, evict: bool = False, **options) -> tuple[Reader, str]:
+    """evict: the mmap reader drops what it read from the page cache (O_DIRECT never fills it)."""
     from ntx_io.direct import DirectReader
     from ntx_io.mapped import MmapReader
 
@@ -173,5 +174,5 @@ def _open_kernel_path(path: str, kind: str, **options) -> tuple[Reader, str]:
             if kind == "direct":
                 raise
             why_not = str(exc)
-    reader = MmapReader(path)
+    reader = MmapReader(path, evict=evict, **options)
     return reader, (f"mmap fallback ({why_not})" if why_not else "mmap (requested): page cache, madvise")

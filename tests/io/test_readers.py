@@ -162,3 +162,56 @@ def test_kind_and_source_mismatches(data_file, tmp_path):
         open_reader(tmp_path / "missing.bin")
     with pytest.raises(NvmeError, match="not a PCI address"):
         open_reader("vfio:not-an-address")
+
+
+def _resident_pages(path, offset: int, length: int) -> int:
+    """Pages of [offset, offset + length) of `path` in the page cache: mincore(2) over a fresh
+    read-only mapping made with libc's mmap (Python's mmap hides the address)."""
+    import ctypes
+    import mmap
+    import os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    start = offset - offset % mmap.PAGESIZE
+    span = offset + length - start
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, span, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+    finally:
+        os.close(fd)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap failed")
+    try:
+        vec = (ctypes.c_ubyte * (-(-span // mmap.PAGESIZE)))()
+        if libc.mincore(addr, span, vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore failed")
+        return sum(v & 1 for v in vec)
+    finally:
+        libc.munmap(addr, span)
+
+
+@pytest.mark.parametrize("evict", [True, False])
+def test_mmap_reader_evicts_what_it_read_when_asked(data_file, evict):
+    """evict=True (the storage tier's setting): the bytes are right and the pages read are no
+    longer in the page cache afterwards (mincore), so the next token reads the device again.
+    Without it the same read leaves them cached: the check can tell the two apart."""
+    import os
+
+    path, data = data_file
+    with open(path, "rb+") as f:  # written a moment ago: start, like a model file, out of the cache
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    offset, length = 1 << 20, 3 << 20
+    with MmapReader(str(path), evict=evict) as reader:
+        dest = bytearray(length)
+        reader.read_into(offset, length, dest)
+    assert dest == data[offset: offset + length]
+    resident = _resident_pages(path, offset + 4096, length - 8192)
+    if evict:
+        assert resident == 0, f"{resident} pages still cached after an evicting read"
+    else:
+        assert resident > 0, "a plain mmap read left nothing cached: this filesystem cannot show eviction"
