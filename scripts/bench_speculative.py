@@ -150,6 +150,9 @@ def _spec_row(eng, draft_eng, dl, skipped, k, exact, want, plain_tok_s, args) ->
             "proposed": sp.proposed, "accepted": sp.accepted, "acceptance": round(sp.acceptance, 3),
             "tokens_per_pass": round(sp.tokens_per_pass, 3), "corrections": sp.corrections, "bonus": sp.bonus,
             "decode_tok_s": round(tok_s, 2), "speedup": round(tok_s / plain_tok_s, 3) if plain_tok_s else None,
+            # the two costs the bound in docs/speculative.md is made of (all prompts, all repeats)
+            "verify_ms_per_pass": round(1e3 * sp.verify_s / sp.passes, 2) if sp.passes else None,
+            "draft_ms_per_token": round(1e3 * sp.draft_s / sp.proposed, 2) if sp.proposed else None,
             "identical_to_greedy": toks == want}
 
 
