@@ -358,7 +358,9 @@ def _read_tensor_info(p: _Parser, index: int) -> tuple[str, tuple[int, ...], GGM
     if not 1 <= n_dims <= MAX_DIMS:
         raise p.fail(f"tensor {name!r} has {n_dims} dimensions (ggml supports 1 to {MAX_DIMS})")
     dims = tuple(p.u64(f"dims of tensor {name!r}") for _ in range(n_dims))
-    if any(d > INT64_MAX for d in dims) or math.prod(dims) > INT64_MAX:
+    # the product of the non-zero dims: a zero dim makes the tensor empty but does not make a
+    # 2^61-long other dim any less absurd (numpy cannot even shape such an array)
+    if any(d > INT64_MAX for d in dims) or math.prod(d for d in dims if d) > INT64_MAX // 16:
         raise p.fail(f"tensor {name!r} dims {dims} overflow 64-bit element counts")
     try:
         ggml_type = ggml_type_of(p.u32(f"type of tensor {name!r}"), name)

@@ -287,3 +287,15 @@ def test_invalid_utf8_in_string_array_names_the_entry(small, tmp_path):
             strs.tolist()
         with pytest.raises(GGUFError, match=r"'t.strs'\[3\] is not valid UTF-8"):
             strs[3]
+
+
+def test_empty_tensor_with_an_absurd_dimension_is_refused(tmp_path):
+    """Found by the fuzzer: dims (2^61, 0) hold no bytes, yet no array can have that shape. The
+    reader refuses the file by name instead of leaving numpy to fail later."""
+    name = b"b.weight"
+    info = (U64.pack(len(name)) + name + U32.pack(2) + U64.pack(2**61) + U64.pack(0)
+            + U32.pack(8) + U64.pack(0))  # Q8_0 (rows of 2^61 are whole blocks), offset 0
+    body = b"GGUF" + U32.pack(3) + U64.pack(1) + U64.pack(0) + info
+    path = tmp_path / "absurd.gguf"
+    path.write_bytes(body + bytes(-len(body) % 32))
+    assert "b.weight" in _open_error(path) and "overflow" in _open_error(path)
