@@ -30,9 +30,6 @@ from ntx_engine.moe import Experts, MoeTransformer, MoeWeightLoader, NumpyMoe, m
 from ntx_engine.moe_plan import ExpertPlan, MoeOffloadPlan, make_expert_plan
 from ntx_engine.model import ResidentLayers
 
-PROJECTIONS = ("gate", "up", "down")
-
-
 class ExpertStore:
     """The expert tensors of every layer in host memory: pinned copies for RAM-tier layers,
     the file's bytes (read on demand into a staging buffer) for storage-tier ones."""

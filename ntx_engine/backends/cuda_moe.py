@@ -39,6 +39,19 @@ class CudaExperts:
         self.vec_dot_type, self.has_min = qt.vec_dot_type, qt.has_block_min  # read by the backend's _quantize
 
 
+def check_experts(where: Any) -> None:
+    """The CUDA MoE kernels can multiply this expert tensor, or a typed error says why not."""
+    t = quants.ggml_type_of(int(where.ggml_type), where.name)
+    if t not in KERNEL_TYPES:
+        raise UnsupportedQuantError(f"expert tensor {where.name!r} is {t.name}, which the CUDA MoE kernels "
+                                    f"cannot multiply; re-quantize the model")
+    if where.k % BLOCK_ELEMENTS[t]:
+        raise UnsupportedQuantError(f"expert tensor {where.name!r}: rows of {where.k} elements are not whole "
+                                    f"{BLOCK_ELEMENTS[t]}-element units for the CUDA kernels")
+    if where.n_expert > MAX_EXPERTS:
+        raise ModelError(f"{where.name}: {where.n_expert} experts; the CUDA router handles at most {MAX_EXPERTS}")
+
+
 class CudaMoe:
     def __init__(self, backend: Any) -> None:
         self.b = backend
@@ -50,15 +63,7 @@ class CudaMoe:
         (launch_pdl if self.b.k.pdl else launch)(self.module.function(name), cfg, args, self.b.stream, name)
 
     def experts(self, raw: np.ndarray, where: Any) -> CudaExperts:
-        t = quants.ggml_type_of(int(where.ggml_type), where.name)
-        if t not in KERNEL_TYPES:
-            raise UnsupportedQuantError(f"expert tensor {where.name!r} is {t.name}, which the CUDA MoE kernels "
-                                        f"cannot multiply; re-quantize the model")
-        if where.k % BLOCK_ELEMENTS[t]:
-            raise UnsupportedQuantError(f"expert tensor {where.name!r}: rows of {where.k} elements are not whole "
-                                        f"{BLOCK_ELEMENTS[t]}-element units for the CUDA kernels")
-        if where.n_expert > MAX_EXPERTS:
-            raise ModelError(f"{where.name}: {where.n_expert} experts; the CUDA router handles at most {MAX_EXPERTS}")
+        check_experts(where)
         host = np.asarray(raw).reshape(-1).view(np.uint8)
         if host.size != where.n_expert * where.expert_nbytes:
             raise ModelError(f"expert tensor {where.name!r}: {host.size} bytes, expected "
@@ -103,6 +108,8 @@ class CudaExpertSlots:
     def __init__(self, backend: Any, n_slots: int, wheres: tuple) -> None:
         from ntx_engine.backends.cuda_driver import Event, Stream
 
+        for w in wheres:
+            check_experts(w)
         self.b, self.n_slots = backend, n_slots
         self.wheres = [_slot_where(w, n_slots) for w in wheres]
         self.arrays = [DeviceArray(backend.pool, (n_slots * w.expert_nbytes,), np.uint8) for w in self.wheres]
