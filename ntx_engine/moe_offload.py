@@ -159,9 +159,12 @@ def make_pools(backend: Any, plan: ExpertPlan, layers: list, policy: str) -> lis
     groups: dict[tuple, list[int]] = {}
     for i in plan.layers_on("gpu"):
         groups.setdefault(_layout(layers[i]), []).append(i)
-    n_gpu = len(plan.layers_on("gpu"))
-    return [SlotPool(backend, max(plan.n_used, plan.n_slots * len(ls) // n_gpu), policy,
-                     tuple(ex.where for ex in _experts(layers[ls[0]])), ls) for ls in groups.values()]
+    n_gpu, members = len(plan.layers_on("gpu")), list(groups.values())
+    shares = [plan.n_slots * len(ls) // n_gpu for ls in members]
+    for j in range(plan.n_slots - sum(shares)):  # the rounding remainder, one slot per pool
+        shares[j % len(shares)] += 1
+    return [SlotPool(backend, max(plan.n_used, n), policy, tuple(ex.where for ex in _experts(layers[ls[0]])), ls)
+            for n, ls in zip(shares, members)]
 
 
 class ExpertOffload:

@@ -106,6 +106,24 @@ def test_prefetch_changes_hits_not_tokens(oracle_manifest, name):
     assert p["copied_bytes"] == p["issued"] * pf["slot_bytes"]
 
 
+def test_mixed_expert_layouts_get_separate_pools(oracle_manifest):
+    """llama.cpp's Q4_K_M quantizes ffn_down_exps differently per layer (gguf-py reads the
+    types): each layout gets its own slot pool, and the requested slots are all handed out."""
+    import gguf
+
+    path = oracle_manifest["models"]["tiny-llamamoe-Q4_K_M"]
+    types = {t.name: int(t.tensor_type) for t in gguf.GGUFReader(str(path)).tensors if "down_exps" in t.name}
+    eng = Engine.load(path, EngineConfig(device="numpy", n_ctx=64, links=LINKS, expert_slots=5))
+    try:
+        pools = eng.model.offload.pools
+        assert len(pools) == len(set(types.values())) == 2
+        assert sum(p.cache.n_slots for p in pools) == 5 and sorted(p.cache.n_slots for p in pools) == [2, 3]
+        for p in pools:
+            assert {types[f"blk.{i}.ffn_down_exps.weight"] for i in p.layers} == {int(p.wheres[2].ggml_type)}
+    finally:
+        eng.close()
+
+
 def test_experts_on_storage_give_the_resident_run(oracle_manifest, resident):
     """RAM budget 0: every miss reads the expert's three byte ranges from the file."""
     name = "tiny-llamamoe-Q8_0"
