@@ -81,6 +81,7 @@ def test_decode_lookups_equal_selections(oracle_manifest):
         per_layer = c["per_layer"]
         assert sum(v["hits"] + v["misses"] for v in per_layer.values()) == st["selections"]["gpu"]
         assert st["h2d_bytes_per_token"] == c["misses"] * st["slot_bytes"] / 12
+        assert eng.last_run_stats["experts"] == st  # what reports read
     finally:
         eng.close()
 
