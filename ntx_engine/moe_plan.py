@@ -16,6 +16,8 @@ Predicted bytes per token assume routing that is uniform and independent from to
 (random weights route that way): with S slots over E experts x L layers, a lookup hits with
 probability S / (E x L), so the link carries used x expert_bytes x (1 - S / (E x L)) per GPU
 layer per token. Real models route with locality and do better; the benchmark measures it.
+The time terms add up (`MoeOffloadPlan.predicted_token_s`): a miss is copied only after its
+layer has routed, and that layer's experts wait for it.
 """
 
 from __future__ import annotations
@@ -88,11 +90,13 @@ class MoeOffloadPlan(Plan):
 
     @property
     def terms(self) -> dict[str, float]:
-        e, lk = self.experts, self.links
-        pt = e.per_token()
-        dense = sum(p.nbytes for p in self.placements) + self.head_bytes
-        compute = (dense + pt["gpu_reads"]) / lk.vram + (pt["cpu"] / lk.cpu if pt["cpu"] else 0.0)
-        return {"compute": compute, "h2d": pt["h2d"] / lk.h2d, "storage": pt["storage"] / lk.storage}
+        return expert_terms(self.experts, sum(p.nbytes for p in self.placements) + self.head_bytes, self.links)
+
+    @property
+    def predicted_token_s(self) -> float:
+        """The terms add: a miss's copy can start only once the layer has routed, and the
+        layer's experts wait for it (the next-layer prefetch experiment aside)."""
+        return sum(self.terms.values())
 
     def as_dict(self) -> dict:
         return {**super().as_dict(), "experts": self.experts.as_dict()}
@@ -109,6 +113,14 @@ class MoeOffloadPlan(Plan):
                 f"({e.policy}); experts on GPU in {len(e.layers_on('gpu'))} layers, on CPU in {len(e.layers_on('cpu'))}",
                 f"per token: {e.n_used} experts x {fmt_bytes(e.slot_bytes)} per layer; predicted miss rate "
                 f"{e.miss_rate:.2f} (uniform routing) -> H2D {fmt_bytes(pt['h2d'])}, CPU reads {fmt_bytes(pt['cpu'])}"]
+
+
+def expert_terms(e: ExpertPlan, dense_bytes: int, lk: Links) -> dict[str, float]:
+    """Seconds per token: kernels reading the dense part and the cached experts from VRAM plus
+    the CPU reading its layers' experts; predicted misses over H2D; storage-tier misses."""
+    pt = e.per_token()
+    compute = (dense_bytes + pt["gpu_reads"]) / lk.vram + (pt["cpu"] / lk.cpu if pt["cpu"] else 0.0)
+    return {"compute": compute, "h2d": pt["h2d"] / lk.h2d, "storage": pt["storage"] / lk.storage}
 
 
 def expert_nbytes(gf, i: int) -> int:
@@ -132,23 +144,23 @@ def make_expert_plan(gf, spans: list[LayerSpan], head_bytes: int, cfg: ModelConf
     fixed = kv + ws + head_bytes + margin + sum(dense)
     room = max(0, budgets.vram - fixed) // slot
     slots = min(room, cfg.n_expert * cfg.n_layers) if n_slots is None else n_slots
-    sides = _sides(cfg, links, slots, side, cpu_ok)
+    ram_room, tiers = budgets.ram, []
+    for n in experts:  # pinned RAM while it lasts, then storage
+        tiers.append("ram" if n <= ram_room else "storage")
+        ram_room -= n if n <= ram_room else 0
+
+    def make(sides: tuple[str, ...]) -> ExpertPlan:
+        return ExpertPlan(slots if "gpu" in sides else 0, slot, policy, tuple(tiers), sides, tuple(experts),
+                          cfg.n_expert, cfg.n_expert_used)
+    sides = _sides(make, tiers, links, sum(dense) + head_bytes, side, cpu_ok, slots >= cfg.n_expert_used)
     if "gpu" in sides and slots < cfg.n_expert_used:
         raise PlanError(f"a VRAM budget of {fmt_bytes(budgets.vram)} leaves room for {room} expert slots of "
                         f"{fmt_bytes(slot)} after the dense part ({fmt_bytes(sum(dense))}), KV cache, workspaces, "
                         f"head and margin ({fmt_bytes(fixed - sum(dense))}); each token needs "
                         f"{cfg.n_expert_used}: raise --vram-budget by "
                         f"{fmt_bytes(fixed + cfg.n_expert_used * slot - budgets.vram)} or use --moe-experts cpu")
-    if "gpu" not in sides:
-        slots = 0
-    ram_room, tiers = budgets.ram, []
-    for n in experts:  # pinned RAM while it lasts, then storage
-        tiers.append("ram" if n <= ram_room else "storage")
-        ram_room -= n if n <= ram_room else 0
-    if "cpu" in sides and side == "auto":  # the CPU reads storage-tier experts from the page cache: slow
-        sides = tuple("gpu" if t == "storage" and slots >= cfg.n_expert_used else s for s, t in zip(sides, tiers))
-    plan_e = ExpertPlan(slots, slot, policy, tuple(tiers), tuple(sides), tuple(experts), cfg.n_expert,
-                        cfg.n_expert_used)
+    plan_e = make(sides)
+    slots = plan_e.n_slots
     reserves = Reserves(kv, ws, head_bytes, slots * slot, margin, 0, RAM_MARGIN)
     placements = [Placement(i, "vram", n) for i, n in enumerate(dense)]
     plan = MoeOffloadPlan(placements, 0, 0, 0, budgets, reserves, links, "experts offloaded", head_bytes,
@@ -159,14 +171,24 @@ def make_expert_plan(gf, spans: list[LayerSpan], head_bytes: int, cfg: ModelConf
     return plan
 
 
-def _sides(cfg: ModelConfig, links: Links, slots: int, side: str, cpu_ok: bool) -> tuple[str, ...]:
-    """Per layer gpu or cpu. auto: cpu when reading all selected experts on the CPU is faster
-    than copying the predicted misses over the link (and reading them from VRAM)."""
+def _sides(make, tiers: list[str], links: Links, dense_bytes: int, side: str, cpu_ok: bool,
+           gpu_ok: bool) -> tuple[str, ...]:
+    """Per layer gpu or cpu. auto: the split with the lowest predicted token time. Moving k
+    RAM-tier layers to the CPU costs their full expert reads at the CPU's rate but leaves the
+    cache to fewer layers, so the rest miss less; storage-tier layers stay on the GPU side."""
+    n = len(tiers)
     if side != "auto":
-        return (side,) * cfg.n_layers
+        return (side,) * n
     if not cpu_ok or links.cpu <= 0:
-        return ("gpu",) * cfg.n_layers
-    miss = 1.0 - min(1.0, slots / (cfg.n_expert * cfg.n_layers))
-    gpu_cost = miss / links.h2d + 1.0 / links.vram
-    cpu_cost = 1.0 / links.cpu
-    return ("cpu" if cpu_cost < gpu_cost or slots < cfg.n_expert_used else "gpu",) * cfg.n_layers
+        return ("gpu",) * n
+    ram = [i for i, t in enumerate(tiers) if t == "ram"]
+    best, best_s = None, float("inf")
+    for k in range(len(ram) + 1):
+        cpu = {ram[(2 * j + 1) * len(ram) // (2 * k)] for j in range(k)} if k else set()
+        sides = tuple("cpu" if i in cpu else "gpu" for i in range(n))
+        if "gpu" in sides and not gpu_ok:
+            continue
+        t = sum(expert_terms(make(sides), dense_bytes, links).values())
+        if t < best_s * (1 - 1e-9):
+            best, best_s = sides, t
+    return best if best is not None else ("gpu",) * n

@@ -91,12 +91,13 @@ def decode(model, tok: int, pos: int, n: int) -> tuple[int, int, float]:
 
 
 def bound(plan, st: dict, dense_bytes: int) -> float:
-    """Seconds per token with perfect overlap, from the measured bytes: dense part and cached
-    experts read from VRAM, misses over H2D, CPU-side experts from DRAM (sequential with the GPU)."""
+    """Seconds per token from the measured bytes and links: dense part and cached experts read
+    from VRAM, CPU-side experts from DRAM, plus the misses over H2D (a miss is copied after its
+    layer routes and before its experts run: the terms add, as in moe_plan)."""
     lk = plan.links
     gpu_reads = st["selections"]["gpu"] / max(st["tokens"], 1) * st["slot_bytes"]
     compute = (dense_bytes + gpu_reads) / lk.vram + ((st["cpu_bytes_per_token"] or 0) / lk.cpu if lk.cpu else 0)
-    return max(compute, (st["h2d_bytes_per_token"] or 0) / lk.h2d)
+    return compute + (st["h2d_bytes_per_token"] or 0) / lk.h2d
 
 
 def run_modes(path: Path, args) -> dict:

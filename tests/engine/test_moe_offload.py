@@ -218,3 +218,36 @@ def test_cli_plan_shows_the_expert_cache(oracle_manifest):
     assert plan["experts"]["n_slots"] == 5 and plan["experts"]["sides"] == ["gpu", "gpu"]
     assert all(layer["tier"] == "vram" for layer in plan["layers"])
 
+
+
+# --- the planner's per-layer side choice ---------------------------------------------------------
+def _expert_plan(oracle_manifest, cpu_rate: float, side: str = "auto", slots: int = 8):
+    from ntx_engine.config import ModelConfig
+    from ntx_engine.gguf import GGUFFile
+    from ntx_engine.layout import layer_spans, resident_bytes
+    from ntx_engine.moe_plan import make_expert_plan
+    from ntx_engine.planner import Budgets
+
+    gf = GGUFFile.open(oracle_manifest["models"]["tiny-llamamoe-Q8_0"])
+    cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
+    links = Links(vram=1e11, h2d=1e10, storage=1e9, cpu=cpu_rate)
+    return make_expert_plan(gf, layer_spans(gf, cfg), resident_bytes(gf, cfg), cfg, 64,
+                            Budgets(vram=1 << 40, ram=1 << 40), links, n_slots=slots, side=side)
+
+
+@pytest.mark.parametrize("cpu_rate, want", [(0.0, ("gpu", "gpu")), (1e15, ("cpu", "cpu")),
+                                            (2e10, None)])
+def test_auto_side_is_never_slower_than_forcing_one(oracle_manifest, cpu_rate, want):
+    """8 slots for 2 layers x 8 experts: all on the GPU side half the lookups miss; one layer on
+    the CPU leaves the other all its experts cached. With the CPU between the link and VRAM
+    speeds that split wins; the planner's choice is never slower than either forced side."""
+    auto = _expert_plan(oracle_manifest, cpu_rate)
+    if want is not None:
+        assert auto.experts.sides == want
+    else:
+        assert sorted(auto.experts.sides) == ["cpu", "gpu"] and auto.experts.miss_rate == 0.0
+    for forced in ("gpu", "cpu") if cpu_rate else ("gpu",):
+        assert auto.predicted_token_s <= _expert_plan(oracle_manifest, cpu_rate, forced).predicted_token_s
+    if want is None:
+        assert auto.predicted_token_s < min(_expert_plan(oracle_manifest, cpu_rate, f).predicted_token_s
+                                            for f in ("gpu", "cpu"))
