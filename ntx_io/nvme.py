@@ -172,6 +172,8 @@ class NvmeDevice:
 
     def map(self, buf: PinnedBuffer) -> None:
         """Make `buf` a DMA target of this device (once; mapping again is a no-op)."""
+        if buf.closed:  # its memory is gone: the driver would fault every page of it
+            raise NvmeError(f"cannot map {buf!r} for DMA from {self.bdf}: the buffer is closed")
         if buf.address in self._mapped:
             return
         if not self._identity.iommu and not buf.hugepages:
