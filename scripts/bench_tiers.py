@@ -43,6 +43,7 @@ def write_repeated_model(path: Path, shape: str, mix: str, n_layers: int | None,
                        (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_dimension_count, e // nh),
                        (w.add_vocab_size, vocab)):
         add(value)
+    add_byte_vocab(w, vocab)
     arrays: dict[str, np.ndarray] = {}
     for name, t, shp in plan:
         key = name.split(".", 2)[-1] if name.startswith("blk.") else name
@@ -65,6 +66,22 @@ def write_repeated_model(path: Path, shape: str, mix: str, n_layers: int | None,
         total += arrays[key].nbytes
     w.close()
     return total
+
+
+def add_byte_vocab(w, vocab: int) -> None:
+    """A byte-level BPE vocabulary with one merge (two spaces): the 256 byte tokens, that merge,
+    then placeholders. Text encodes about byte by byte, enough for benchmarks that tokenize a
+    prompt (bench_speculative.py)."""
+    from ntx_engine.tokenizer import _BYTE_CHARS
+
+    space = _BYTE_CHARS[ord(" ")]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(list(_BYTE_CHARS) + [space * 2] + [f"<|synthetic_{i}|>" for i in range(vocab - 257)])
+    w.add_token_types([1] * vocab)
+    w.add_token_merges([f"{space} {space}"])
+    w.add_bos_token_id(vocab - 1)
+    w.add_eos_token_id(vocab - 2)
 
 
 def parse_scenario(text: str) -> tuple[str, str | None, str | None, str]:
