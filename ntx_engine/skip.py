@@ -151,13 +151,19 @@ def layer_similarity(model: Any, ids: Sequence[int], chunk: int = 256) -> np.nda
         x = b.embed(model.w.tok_embd, part)
         for i in range(n):
             lw = model.source.acquire(i)
-            try:
-                y = model.block(i, lw, x, pos, s)
+            try:  # run_layer: a hybrid model computes its CPU-tier layers on the host there
+                y = model.run_layer(i, lw, x, pos, s)
             finally:
                 model.source.release(i)
-            sums[i] += _cosines(b.to_numpy(x), b.to_numpy(y)).sum()
+            sums[i] += _cosines(_on_host(b, x), _on_host(b, y)).sum()
             x = y
     return sums / len(ids)
+
+
+def _on_host(backend: Any, x: Any) -> np.ndarray:
+    from ntx_engine.hybrid import OnHost
+
+    return x.x if isinstance(x, OnHost) else backend.to_numpy(x)
 
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import resource
+import weakref
 from pathlib import Path
 
 from ntx_common.errors import NtxIOError
@@ -138,6 +139,9 @@ class PinnedBuffer:
         self._check_open()
         if self._cuda is None:
             self._cuda = gpu.register_host(self.address, self.capacity, device)
+            # a buffer dropped without close() must not leave its address range registered:
+            # the next mapping at that address could then never be registered again
+            self._cuda_finalizer = weakref.finalize(self, self._cuda.release)
 
     def close(self) -> None:
         """Unmap from devices, unregister from CUDA, free. Idempotent."""
@@ -146,6 +150,7 @@ class PinnedBuffer:
         for device in list(self._devices):
             device.unmap(self)  # raises while the device is fenced: the bytes stay reserved
         if self._cuda is not None:
+            self._cuda_finalizer.detach()
             self._cuda.release()
             self._cuda = None
         try:

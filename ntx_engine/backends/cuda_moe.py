@@ -79,7 +79,7 @@ class CudaMoe:
     def routed(self, w: Any, x: DeviceArray, ids: DeviceArray, out: DeviceArray | None = None) -> DeviceArray:
         """y (n, k_used, rows); x (n, k) shared by the slots, or (n, k_used, k) one per slot.
         With `out`, entries whose id is negative are left as they are (expert cache groups)."""
-        ex: CudaExperts = w.data
+        ex: CudaExperts = w if isinstance(w, CudaExperts) else w.data  # expert cache slots, or resident
         n, used = ids.shape
         rows, k = ex.where.rows, ex.where.k
         per_slot = len(x.shape) == 3

@@ -110,6 +110,9 @@ class _Rotations:
         self.acquired = []
         self.source = SimpleNamespace(acquire=self.acquired.append, release=lambda i: None)
 
+    def run_layer(self, i, lw, x, pos, start):  # Transformer's hook (a hybrid model replaces it)
+        return self.block(i, lw, x, pos, start)
+
     def block(self, i, lw, x, pos, start):
         c, s = math.cos(self.thetas[i]), math.sin(self.thetas[i])
         y = x.copy()
