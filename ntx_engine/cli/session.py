@@ -87,14 +87,41 @@ def run_plan(opts: RunOptions) -> dict[str, Any] | None:
     """--plan: place the layers and predict the speed without loading or generating."""
     from ntx_common.console import out
     from ntx_engine.cli.plan_view import render
+    from ntx_engine.planner import fmt_bytes
 
     plan = Engine.plan_model(opts.model, opts.engine_config())
+    skipping = _plan_skip(opts, plan)
     if opts.json:
-        return plan.as_dict()
+        return {**plan.as_dict(), **({"skip": skipping} if skipping else {})}
     render(plan, out)
     for line in getattr(plan, "describe", lambda: [])():  # MoE expert offload
         out.print(line)
+    if skipping:
+        out.print(f"skip: {len(skipping['skipped_layers'])} layers {skipping['skipped_layers']} — "
+                  f"{skipping['skipped_streamed']} streamed (their bytes are not read), "
+                  f"{skipping['skipped_resident']} resident (compute saved); bytes per token then "
+                  + ", ".join(f"{t} {fmt_bytes(n)}" for t, n in skipping["bytes_per_tier"].items())
+                  + f"; predicted decode {skipping['predicted_tok_s']:.2f} tok/s")
     return None
+
+
+def _plan_skip(opts: RunOptions, plan: Any) -> dict[str, Any] | None:
+    """--plan with --skip-threshold/--skip-layers: which layers the stored profile skips, split
+    into streamed and resident, and the plan's bytes and predicted speed without them."""
+    if opts.skip_threshold is None and opts.skip_layers is None:
+        return None
+    if not hasattr(plan, "without"):
+        raise UsageError("--plan with layer skip needs a dense model's tier plan (not an MoE expert offload)")
+    from ntx_engine import skip
+
+    profile = skip.load_profile(opts.model)
+    if profile is None:
+        raise UsageError(f"{opts.model} has no skip profile yet: run `ntx-run --calibrate-skip -m {opts.model}` first")
+    n = len(plan.placements)
+    streamed = frozenset(p.layer for p in plan.placements if p.tier in ("ram", "storage"))  # as skip.streamed_layers
+    sp = skip.SkipPlan(n, skip.choose_skip(profile, opts.skip_threshold, opts.skip_layers), streamed)
+    after = plan.without(sp.skipped)
+    return {**sp.to_dict(), "bytes_per_tier": after.bytes_per_tier, "predicted_tok_s": 1.0 / after.predicted_token_s}
 
 
 def _messages(opts: RunOptions, history: list[dict]) -> list[dict]:

@@ -227,3 +227,24 @@ def test_streamed_layers_come_from_the_tier_plan():
     eng.streamed_layers = {1, 2}  # the pipeline's own set wins
     assert skip.streamed_layers(eng) == frozenset({1, 2})
     assert skip.streamed_layers(SimpleNamespace(model=SimpleNamespace(), config=eng.config)) == frozenset()
+
+
+def test_cli_plan_shows_the_skip_split_and_the_bytes_it_saves(linked_model, calibrated):
+    """--plan with a skip option: the layers the profile skips, split by the plan's own tiers
+    (streamed = ram/storage), bytes per tier lowered by exactly those layers' bytes, and a
+    faster predicted decode. The CPU-only budget makes the later layers stream from storage."""
+    args = ["--plan", "--json", "--device", "cpu", "--ram-budget", "150M", "--ctx", "512", "-m", str(linked_model)]
+    base = json.loads(CliRunner().invoke(app, args, env=ENV).stdout)
+    res = CliRunner().invoke(app, args + ["--skip-layers", "6"], env=ENV)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    sims = calibrated["similarity"]
+    want = sorted(sorted(range(8, 22), key=lambda i: -sims[i])[:6])
+    tiers = {p["layer"]: p["tier"] for p in out["layers"]}
+    sizes = {p["layer"]: p["nbytes"] for p in out["layers"]}
+    streamed = [i for i in want if tiers[i] in ("ram", "storage")]
+    assert out["skip"]["skipped_layers"] == want and out["skip"]["skipped_streamed"] == len(streamed) > 0
+    assert out["skip"]["skipped_resident"] == len(want) - len(streamed)
+    for tier, n in out["skip"]["bytes_per_tier"].items():
+        assert n == base["bytes_per_tier"][tier] - sum(sizes[i] for i in want if tiers[i] == tier)
+    assert out["skip"]["predicted_tok_s"] > base["predicted_tok_s"]
