@@ -287,9 +287,18 @@ int ntx_nvme_batch_open(struct ntx_nvme *d, struct ntx_nvme_io *ios, uint32_t n,
     return 0;
 }
 
+/* How often the wait loop looks at deadlines: every millisecond, or twice per deadline when
+ * commands get less than 2 ms (otherwise a short deadline could pass unnoticed while every
+ * command completes before the first look). */
+static uint64_t check_interval_ns(const struct ntx_nvme *d)
+{
+    uint64_t half = (uint64_t)d->opts.cmd_timeout_us * 500ull;
+    return half < 1000000ull ? half : 1000000ull;
+}
+
 int ntx_nvme_batch_wait(struct ntx_nvme *d, struct ntx_nvme_batch *b, int64_t timeout_us)
 {
-    uint64_t start = nx_now_ns(), last_check = start;
+    uint64_t start = nx_now_ns(), last_check = start, interval = check_interval_ns(d);
     for (uint32_t spins = 1;; spins++) {
         if (b->outstanding == 0 && b->next_io >= b->n)
             return b->failed ? (d->fenced ? -ETIMEDOUT : -EIO) : 0;
@@ -297,7 +306,7 @@ int ntx_nvme_batch_wait(struct ntx_nvme *d, struct ntx_nvme_batch *b, int64_t ti
         int busy = reap(d) > 0;
         if (spins % 64 == 0) {
             uint64_t now = nx_now_ns();
-            if (now - last_check > 1000000ull) {
+            if (now - last_check > interval) {
                 last_check = now;
                 int rc = check_deadlines(d, now);
                 if (rc)
