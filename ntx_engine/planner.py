@@ -84,6 +84,8 @@ class Budgets:
     # what the compute device's memory is called and set with, for messages (CPU only: the RAM)
     device_memory: str = "VRAM"
     option: str = "--vram-budget"
+    # CPU only: one memory. The storage staging buffers come out of `vram` too (ram is 0 then)
+    unified: bool = False
 
     def __post_init__(self) -> None:
         if self.vram < 0 or self.ram < 0 or (self.margin or 0) < 0:
@@ -234,10 +236,11 @@ def _place(order: list[int], strategy: str, spans: list[LayerSpan], head_bytes: 
                      ws)
     slot = max(s.nbytes for s in spans)
     slots = n_slots or DEFAULT_SLOTS
-    if fixed + MIN_SLOTS * slot > budgets.vram:
-        _impossible(budgets, fixed, slot, cfg, n_ctx, head_bytes, ws)
-    slots = max(MIN_SLOTS, min(slots, (budgets.vram - fixed) // slot))
-    tiers, room = {}, budgets.vram - fixed - slots * slot
+    stage = (n_staging or DEFAULT_STAGING) * slot if budgets.unified else 0  # CPU only: same memory
+    if fixed + stage + MIN_SLOTS * slot > budgets.vram:
+        _impossible(budgets, fixed, slot, cfg, n_ctx, head_bytes, ws, stage)
+    slots = max(MIN_SLOTS, min(slots, (budgets.vram - fixed - stage) // slot))
+    tiers, room = {}, budgets.vram - fixed - stage - slots * slot
     for i in order:
         if spans[i].nbytes <= room:
             tiers[i], room = "vram", room - spans[i].nbytes
@@ -292,15 +295,15 @@ def _plan(spans, tiers, slots, slot, staging, budgets, links, cfg, n_ctx, head_b
                         vram_margin(budgets), staging * slot, RAM_MARGIN)
     placements = [Placement(s.index, tiers[s.index], s.nbytes) for s in spans]
     plan = Plan(placements, slots, slot, staging, budgets, reserves, links, strategy, head_bytes)
-    if staging and budgets.ram < staging * slot:
+    if staging and budgets.ram < staging * slot and not budgets.unified:
         plan.notes.append(f"the RAM budget ({fmt_bytes(budgets.ram)}) is below the {staging} pinned staging "
                           f"buffers ({fmt_bytes(staging * slot)}) storage reads need; they are allocated anyway")
     return plan
 
 
 def _impossible(budgets: Budgets, fixed: int, slot: int, cfg: ModelConfig, n_ctx: int, head_bytes: int,
-                ws: int) -> None:
-    base = fixed - vram_margin(budgets) + MIN_SLOTS * slot  # everything but the margin
+                ws: int, stage: int = 0) -> None:
+    base = fixed - vram_margin(budgets) + MIN_SLOTS * slot + stage  # everything but the margin
     if budgets.margin is not None:
         need = base + budgets.margin
     else:  # the default margin grows with the budget: min(512 MiB, budget / 16)
@@ -309,5 +312,7 @@ def _impossible(budgets: Budgets, fixed: int, slot: int, cfg: ModelConfig, n_ctx
         f"a {budgets.device_memory} budget of {fmt_bytes(budgets.vram)} cannot run this model: it needs at least "
         f"{fmt_bytes(need)} = KV cache for {n_ctx} tokens {fmt_bytes(kv_cache_bytes(cfg, n_ctx))} + "
         f"workspaces {fmt_bytes(ws)} + embeddings/head {fmt_bytes(head_bytes)} + "
-        f"a {MIN_SLOTS}-slot ring {fmt_bytes(MIN_SLOTS * slot)} + margin {fmt_bytes(need - base)}; "
+        f"a {MIN_SLOTS}-slot ring {fmt_bytes(MIN_SLOTS * slot)} + "
+        + (f"storage staging {fmt_bytes(stage)} + " if stage else "")
+        + f"margin {fmt_bytes(need - base)}; "
         f"raise {budgets.option} to {fmt_bytes(need)} or lower --ctx")

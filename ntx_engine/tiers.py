@@ -44,7 +44,8 @@ def default_budgets(backend: Any, cfg: Any) -> Budgets:
     if backend.name != "cuda" and vram is None and cfg.ram_budget is not None:
         # CPU only: the compute device's memory is the RAM, so --ram-budget is what stays
         # resident, and everything else streams from storage (no pinned second copy)
-        return Budgets(vram=cfg.ram_budget, ram=0, device_memory="RAM (CPU only)", option="--ram-budget")
+        return Budgets(vram=cfg.ram_budget, ram=0, device_memory="RAM (CPU only)", option="--ram-budget",
+                       unified=True)
     if vram is None:
         vram = backend.device.mem_info()[0] if backend.name == "cuda" else UNBOUNDED
     return Budgets(vram=vram, ram=free_ram if cfg.ram_budget is None else cfg.ram_budget)

@@ -128,6 +128,32 @@ def test_the_minimum_named_in_the_error_plans():
         make_plan(sp, head, c, 2048, Budgets(vram=int((mib - 0.02) * (1 << 20)), ram=0), LINKS)
 
 
+def test_cpu_only_budget_holds_the_staging_buffers_too():
+    """CPU only (one memory): the storage staging buffers come out of the same budget as the ring
+    and the resident layers, so nothing is allocated beside it; the minimum the error names
+    includes them, and that figure plans."""
+    import re
+
+    from ntx_engine.planner import DEFAULT_STAGING
+
+    c, sp, head, n_ctx = cfg(), spans([100 << 20] * 8), 50 << 20, 2048
+    unified = dict(ram=0, device_memory="RAM (CPU only)", option="--ram-budget", unified=True)
+    with pytest.raises(PlanError) as exc:
+        make_plan(sp, head, c, n_ctx, Budgets(vram=300 << 20, **unified), LINKS)
+    msg = str(exc.value)
+    assert "storage staging" in msg and "--ram-budget" in msg and "RAM (CPU only)" in msg
+    mib = float(re.search(r"raise --ram-budget to ([0-9.]+) MiB", msg).group(1))
+    budget = int((mib + 0.01) * (1 << 20))
+    plan = make_plan(sp, head, c, n_ctx, Budgets(vram=budget, **unified), LINKS)
+    r = plan.reserves
+    used = r.kv_cache + r.workspace + r.head + r.ring + r.vram_margin + r.staging + plan.bytes_per_tier["vram"]
+    assert plan.n_staging == DEFAULT_STAGING and used <= budget and not plan.notes
+    # the same numbers as a GPU budget leave the staging outside it, with a note saying so
+    gpu = make_plan(sp, head, c, n_ctx, Budgets(vram=budget, ram=0), LINKS)
+    assert gpu.n_slots > plan.n_slots or gpu.bytes_per_tier["vram"] > plan.bytes_per_tier["vram"]
+    assert any("staging" in n for n in gpu.notes)
+
+
 def test_slots_option_and_minimum():
     c, sp = cfg(), spans([1 << 30] * 8)
     plan = make_plan(sp, 0, c, 256, Budgets(vram=6 << 30, ram=1 << 40), LINKS, n_slots=5)
