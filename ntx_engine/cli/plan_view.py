@@ -27,13 +27,15 @@ def render(plan: Plan, console) -> None:
         table.add_row(rng, tier, fmt_bytes(n))
     console.print(table)
     per_tier = plan.bytes_per_tier
+    b = plan.budgets
     console.print("bytes per token: " + ", ".join(f"{t} {fmt_bytes(n)}" for t, n in per_tier.items())
-                  + f", embeddings/head {fmt_bytes(plan.head_bytes)} (VRAM)")
+                  + f", embeddings/head {fmt_bytes(plan.head_bytes)} ({b.device_memory})")
     r = plan.reserves
-    console.print(f"VRAM budget {fmt_bytes(plan.budgets.vram)}: KV {fmt_bytes(r.kv_cache)}, workspaces "
+    staging = f"staging {plan.n_staging} x {fmt_bytes(plan.slot_bytes)}"
+    console.print(f"{b.device_memory} budget {fmt_bytes(b.vram)}: KV {fmt_bytes(r.kv_cache)}, workspaces "
                   f"{fmt_bytes(r.workspace)}, ring {plan.n_slots} x {fmt_bytes(plan.slot_bytes)}, margin "
-                  f"{fmt_bytes(r.vram_margin)}; RAM budget {fmt_bytes(plan.budgets.ram)}: staging "
-                  f"{plan.n_staging} x {fmt_bytes(plan.slot_bytes)}")
+                  f"{fmt_bytes(r.vram_margin)}"
+                  + (f", {staging}" if b.unified else f"; RAM budget {fmt_bytes(b.ram)}: {staging}"))
     lk = plan.links
     console.print(f"links ({lk.source}): VRAM {lk.vram / 1e9:.1f} GB/s, H2D {lk.h2d / 1e9:.1f} GB/s, "
                   f"storage ({lk.storage_kind}) {lk.storage / 1e9:.2f} GB/s")
