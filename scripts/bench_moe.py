@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+from bench_tiers import git_commit  # noqa: E402  (scripts/ is on sys.path above)
 
 NOTE = ("synthetic random weights: routing is near-uniform, without the locality of a real model; "
         "hit rates are a floor for the cache, not a prediction for real Mixtral")
@@ -148,13 +149,6 @@ def run_modes(path: Path, args) -> dict:
         print(mode, json.dumps({k: v for k, v in results[mode].items() if k != "stats"}), flush=True)
     model.source.close()
     return {"load_s": load_s, "plan": plan.as_dict(), "results": results}
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

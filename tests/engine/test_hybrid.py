@@ -73,19 +73,23 @@ def test_native_host_within_noise(smollm2_path, resident):
     eng = load(smollm2_path, vram_budget=110 * MiB, ram_budget=1 << 30, host_device="cpu")
     try:
         assert "cpu" in {p.tier for p in eng.plan().placements}
-        logits = eng.logits(resident["ids"])
-        diff = np.abs(logits - resident["logits"]).max(axis=-1)
-        assert (diff <= 3 * resident["noise"] + 1e-3).all(), (diff, resident["noise"])
-        toks = list(eng.generate(resident["ids"], 8))
-        ref = resident["tokens"]
-        ref_logits = eng.logits(resident["ids"] + ref[:-1])[len(resident["ids"]) - 1:]
-        for step, (a, b) in enumerate(zip(toks, ref)):
-            top2 = np.sort(ref_logits[step])[-2:]
-            if top2[1] - top2[0] < 0.05:
-                break
-            assert a == b, f"step {step}"
+        _assert_matches_resident(eng, resident)
     finally:
         eng.close()
+
+
+def _assert_matches_resident(eng, resident) -> None:
+    """Logits within the noise floor of the resident run, greedy tokens equal up to the first
+    near-tie (margin < 0.05 in the engine's own teacher-forced logits)."""
+    diff = np.abs(eng.logits(resident["ids"]) - resident["logits"]).max(axis=-1)
+    assert (diff <= 3 * resident["noise"] + 1e-3).all(), (diff, resident["noise"])
+    toks = list(eng.generate(resident["ids"], 8))
+    ref_logits = eng.logits(resident["ids"] + resident["tokens"][:-1])[len(resident["ids"]) - 1:]
+    for step, (a, b) in enumerate(zip(toks, resident["tokens"])):
+        top2 = np.sort(ref_logits[step])[-2:]
+        if top2[1] - top2[0] < 0.05:
+            break
+        assert a == b, f"step {step}"
 
 
 def _refuse(*_a, **_k):
@@ -134,15 +138,7 @@ def test_hybrid_cpu_native_host_tokens_match_resident(smollm2_path, resident):
     eng = load(smollm2_path, vram_budget=110 * MiB, ram_budget=1 << 30, host_device="cpu", hybrid="cpu")
     try:
         assert {p.tier for p in eng.plan().placements} == {"vram", "cpu"}
-        diff = np.abs(eng.logits(resident["ids"]) - resident["logits"]).max(axis=-1)
-        assert (diff <= 3 * resident["noise"] + 1e-3).all(), (diff, resident["noise"])
-        toks = list(eng.generate(resident["ids"], 8))
-        ref_logits = eng.logits(resident["ids"] + resident["tokens"][:-1])[len(resident["ids"]) - 1:]
-        for step, (a, b) in enumerate(zip(toks, resident["tokens"])):
-            top2 = np.sort(ref_logits[step])[-2:]
-            if top2[1] - top2[0] < 0.05:
-                break
-            assert a == b, f"step {step}"
+        _assert_matches_resident(eng, resident)
     finally:
         eng.close()
 
