@@ -71,26 +71,26 @@ def load_llama(model: Path, threads: int):
 def run_llama(llm, tokens: int, prompt: str) -> float:
     llm.reset()
     ids = llm.tokenize(prompt.encode(), add_bos=True, special=True)
-    stamps = []
-    for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
-        stamps.append(time.perf_counter())
-        if len(stamps) == tokens:
-            break
-    if len(stamps) < tokens:
-        raise RuntimeError(f"llama.cpp stopped after {len(stamps)} tokens")
-    return (tokens - 1) / (stamps[-1] - stamps[0])
+    gen = llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0)
+    return _rate(gen, tokens, time.perf_counter)
 
 
-def _cpu_rate(tokens_iter, tokens: int) -> float:
-    """Decode tokens per CPU-second of this process over a token iterator's yields."""
+def _rate(tokens_iter, tokens: int, clock) -> float:
+    """Decode tokens per second of `clock` over a token iterator's yields (the first one, which
+    includes the prompt, is the start mark)."""
     stamps = []
     for _ in tokens_iter:
-        stamps.append(time.process_time())
+        stamps.append(clock())
         if len(stamps) == tokens:
             break
     if len(stamps) < tokens:
         raise RuntimeError(f"generation stopped after {len(stamps)} tokens")
     return (tokens - 1) / (stamps[-1] - stamps[0])
+
+
+def _cpu_rate(tokens_iter, tokens: int) -> float:
+    """Decode tokens per CPU-second of this process."""
+    return _rate(tokens_iter, tokens, time.process_time)
 
 
 def cpu_time_rates(model: Path, tokens: int, prompt: str) -> tuple[float, float]:
