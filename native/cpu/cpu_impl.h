@@ -119,13 +119,21 @@ static inline void q3_k_scales(const uint8_t *sc, int8_t out[16]) {
 /* one weight row (k values) . one activation row in the vec_dot format -> float */
 typedef float (*ntx_dot_fn)(int64_t k, const void *w, const void *act);
 
+/* one weight row . n <= NTX_DOTN_MAX activation rows (act_bytes apart) -> out[r * out_stride],
+   reading the weight blocks once; each row's value is bit-identical to ntx_dot_fn's */
+#define NTX_DOTN_MAX 4
+typedef void (*ntx_dotn_fn)(int64_t k, const void *w, const void *act, int64_t act_bytes, int n,
+                            float *out, int64_t out_stride);
+
 struct ntx_kernels {
     ntx_dot_fn dot[T_COUNT];
+    ntx_dotn_fn dotn[T_COUNT];  /* NULL: the matmul calls dot once per activation row */
 };
 
 extern const struct ntx_kernels ntx_kernels_portable;
 void ntx_kernels_fill_avx2(struct ntx_kernels *kt);
 void ntx_kernels_fill_vnni(struct ntx_kernels *kt);
+void ntx_kernels_fill_avx512(struct ntx_kernels *kt);
 const struct ntx_kernels *ntx_kernels_active(void);
 
 /* block geometry: elements and bytes per block of a weight type; 0 if unsupported */

@@ -13,7 +13,8 @@
 
 #include "cpu_impl.h"
 
-static struct ntx_kernels tables[3];
+#define N_LEVELS 4
+static struct ntx_kernels tables[N_LEVELS];
 static int active_level = -1;
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 
@@ -21,27 +22,32 @@ NTX_EXPORT int ntx_cpu_simd_supported(void) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return NTX_CPU_PORTABLE;
-    if (__builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
-        return NTX_CPU_AVX512VNNI;
-    return NTX_CPU_AVX2;
+    if (!__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512vnni")) return NTX_CPU_AVX2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq"))
+        return NTX_CPU_AVX512;
+    return NTX_CPU_AVX512VNNI;
 #else
     return NTX_CPU_PORTABLE;
 #endif
 }
 
-/* NTX_CPU_SIMD=portable|avx2|vnni caps the level (the CI runs the portable path this way) */
+/* NTX_CPU_SIMD=portable|avx2|vnni|avx512 caps the level (the CI runs the portable path this way) */
 static int env_level(void) {
     const char *v = getenv("NTX_CPU_SIMD");
-    if (!v || !*v) return NTX_CPU_AVX512VNNI;
+    if (!v || !*v) return NTX_CPU_AVX512;
     if (!strcasecmp(v, "portable")) return NTX_CPU_PORTABLE;
     if (!strcasecmp(v, "avx2")) return NTX_CPU_AVX2;
-    return NTX_CPU_AVX512VNNI;
+    if (!strcasecmp(v, "vnni") || !strcasecmp(v, "avx512vnni")) return NTX_CPU_AVX512VNNI;
+    return NTX_CPU_AVX512;
 }
 
 static void init_tables(void) {
-    for (int i = 0; i < 3; i++) tables[i] = ntx_kernels_portable;
+    for (int i = 0; i < N_LEVELS; i++) tables[i] = ntx_kernels_portable;
     ntx_kernels_fill_avx2(&tables[NTX_CPU_AVX2]);
     ntx_kernels_fill_vnni(&tables[NTX_CPU_AVX512VNNI]);
+    tables[NTX_CPU_AVX512] = tables[NTX_CPU_AVX512VNNI];  /* the zmm kernels replace a few types */
+    ntx_kernels_fill_avx512(&tables[NTX_CPU_AVX512]);
     int want = env_level(), have = ntx_cpu_simd_supported();
     active_level = want < have ? want : have;
 }
@@ -63,10 +69,16 @@ const struct ntx_kernels *ntx_kernels_active(void) {
     return &tables[ntx_cpu_simd_level()];
 }
 
+NTX_EXPORT int ntx_cpu_multi_row(int weight_type) {
+    if (weight_type < 0 || weight_type >= T_COUNT) return -EINVAL;
+    return ntx_kernels_active()->dotn[weight_type] != NULL;
+}
+
 #define MAX_MANY 8 /* weights sharing one activation per call (q, k, v; gate, up) */
 
 struct mm_part {
     ntx_dot_fn dot;
+    ntx_dotn_fn dotn;     /* NULL: dot once per activation row */
     const uint8_t *w;     /* (rows, row_bytes) raw blocks */
     const uint8_t *act;   /* (n, act_bytes) quantized activations */
     int64_t row_bytes, act_bytes, rows, first;  /* first: its offset in the job's row space */
@@ -82,13 +94,28 @@ struct mm_job {
 
 #define ROW_TILE 8 /* rows kept hot in L1 while every token's activation row passes over them */
 
+/* out[(t - t0) * out_stride] for activation rows t0..t1 of weight row w: dotn reads the row's
+   blocks once per NTX_DOTN_MAX activation rows (each value bit-identical to dot's) */
+static void dot_rows(const struct mm_job *j, const struct mm_part *m, const uint8_t *w, int64_t t0,
+                     int64_t t1, float *out, int64_t out_stride) {
+    if (!m->dotn) {
+        for (int64_t t = t0; t < t1; t++)
+            out[(t - t0) * out_stride] = m->dot(j->k, w, m->act + t * m->act_bytes);
+        return;
+    }
+    for (int64_t t = t0; t < t1; t += NTX_DOTN_MAX) {
+        int nt = t1 - t < NTX_DOTN_MAX ? (int)(t1 - t) : NTX_DOTN_MAX;
+        m->dotn(j->k, w, m->act + t * m->act_bytes, m->act_bytes, nt, out + (t - t0) * out_stride, out_stride);
+    }
+}
+
 static void mm_rows(const struct mm_job *j, const struct mm_part *m, int64_t r0, int64_t r1) {
     for (int64_t t0 = r0; t0 < r1; t0 += ROW_TILE) {
         int64_t t1 = t0 + ROW_TILE < r1 ? t0 + ROW_TILE : r1;
-        for (int64_t t = 0; t < j->n; t++) {
-            const uint8_t *a = m->act + t * m->act_bytes;
-            float *o = m->out + t * m->rows;
-            for (int64_t r = t0; r < t1; r++) o[r] = m->dot(j->k, m->w + r * m->row_bytes, a);
+        for (int64_t t = 0; t < j->n; t += NTX_DOTN_MAX) {
+            int64_t te = t + NTX_DOTN_MAX < j->n ? t + NTX_DOTN_MAX : j->n;
+            for (int64_t r = t0; r < t1; r++)
+                dot_rows(j, m, m->w + r * m->row_bytes, t, te, m->out + t * m->rows + r, m->rows);
         }
     }
 }
@@ -106,13 +133,14 @@ static void mm_items(void *arg, int64_t r0, int64_t r1) {
 static void swiglu_items(void *arg, int64_t r0, int64_t r1) {
     const struct mm_job *j = arg;
     const struct mm_part *g = &j->part[0], *u = &j->part[1];
-    for (int64_t t = 0; t < j->n; t++) {
-        const uint8_t *ag = g->act + t * g->act_bytes, *au = u->act + t * u->act_bytes;
-        float *o = j->swiglu_out + t * g->rows;
+    float gv[NTX_DOTN_MAX], uv[NTX_DOTN_MAX];
+    for (int64_t t = 0; t < j->n; t += NTX_DOTN_MAX) {
+        int64_t te = t + NTX_DOTN_MAX < j->n ? t + NTX_DOTN_MAX : j->n;
         for (int64_t r = r0; r < r1; r++) {
-            float gv = g->dot(j->k, g->w + r * g->row_bytes, ag);
-            float uv = u->dot(j->k, u->w + r * u->row_bytes, au);
-            o[r] = (gv / (1.0f + expf(-gv))) * uv;
+            dot_rows(j, g, g->w + r * g->row_bytes, t, te, gv, 1);
+            dot_rows(j, u, u->w + r * u->row_bytes, t, te, uv, 1);
+            for (int64_t i = t; i < te; i++)
+                j->swiglu_out[i * g->rows + r] = (gv[i - t] / (1.0f + expf(-gv[i - t]))) * uv[i - t];
         }
     }
 }
@@ -135,6 +163,7 @@ static int mm_prepare(struct mm_job *j, int count, const int *types, const void 
         if (m->act_bytes < 0 || !ws[i] || rows[i] <= 0 || !ntx_type_block(t, &block, &bytes) || !kt->dot[t])
             return -EINVAL;
         m->dot = kt->dot[t];
+        m->dotn = kt->dotn[t];
         m->w = ws[i];
         m->row_bytes = j->k / block * bytes;
         m->rows = rows[i];

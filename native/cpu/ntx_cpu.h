@@ -26,12 +26,15 @@ struct ntx_cpu_pool;
 enum {
     NTX_CPU_PORTABLE = 0,    /* plain C */
     NTX_CPU_AVX2 = 1,        /* AVX2 + FMA + F16C */
-    NTX_CPU_AVX512VNNI = 2   /* the AVX2 kernels with VNNI (vpdpbusd on 256-bit lanes) */
+    NTX_CPU_AVX512VNNI = 2,  /* the AVX2 kernels with VNNI (vpdpbusd on 256-bit lanes) */
+    NTX_CPU_AVX512 = 3       /* 512-bit Q4_K/Q6_K/Q8_0 kernels (AVX512F/BW/VL/DQ/VNNI), else level 2 */
 };
 
 int ntx_cpu_simd_supported(void);        /* the best level this CPU can run */
 int ntx_cpu_simd_select(int level);      /* use min(level, supported); returns the level in use */
 int ntx_cpu_simd_level(void);
+/* 1 if the active table reads a weight row once for several activation rows of this type */
+int ntx_cpu_multi_row(int weight_type);
 
 int ntx_cpu_pool_open(struct ntx_cpu_pool **out, int n_threads, int spin_us, int deadline_ms);
 void ntx_cpu_pool_close(struct ntx_cpu_pool *pool);

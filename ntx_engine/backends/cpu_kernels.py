@@ -17,7 +17,8 @@ import numpy as np
 from ntx_common.errors import CpuKernelError
 from ntx_engine.quants import GGML_BLOCK_SIZES, GGMLType
 
-SIMD_NAMES = {0: "portable", 1: "avx2", 2: "avx512vnni"}
+SIMD_NAMES = {0: "portable", 1: "avx2", 2: "avx512vnni", 3: "avx512"}
+BEST_SIMD = SIMD_NAMES[max(SIMD_NAMES)]  # select_simd(BEST_SIMD): the best level this CPU has
 DEFAULT_SPIN_US = 1000  # workers spin this long after a job: decode issues one every ~10-50 us
 DEFAULT_DEADLINE_MS = 120_000  # no single op of a sane model takes two minutes
 
@@ -101,6 +102,12 @@ class CpuKernels:
         if level is None:
             raise ValueError(f"unknown SIMD level {name!r} (known: {', '.join(SIMD_NAMES.values())})")
         return SIMD_NAMES[self.lib.ntx_cpu_simd_select(level)]
+
+    def has_multi_row(self, ggml_type: int) -> bool:
+        """Whether the active table reads a weight row once for up to 4 activation rows."""
+        rc = self.lib.ntx_cpu_multi_row(int(ggml_type))
+        self._check(rc, f"type {ggml_type}")
+        return bool(rc)
 
     def supported_simd(self) -> str:
         return SIMD_NAMES[self.lib.ntx_cpu_simd_supported()]

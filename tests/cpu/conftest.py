@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # ggml_ref: llama.cpp's ggml
 
+from ntx_engine.backends.cpu_kernels import BEST_SIMD as BEST
 from ntx_engine.backends.cpu_kernels import SIMD_NAMES
 
 LEVELS = list(SIMD_NAMES.values())
@@ -24,7 +25,7 @@ def kernels():
         pytest.fail("ntx_engine._cpu is not built: run `pip install -e .` (make test does)", pytrace=False)
     k = CpuKernels(threads=2)
     yield k
-    k.select_simd("avx512vnni")  # back to the best level for the next module
+    k.select_simd(BEST)  # back to the best level for the next module
     k.close()
 
 
@@ -35,4 +36,4 @@ def simd(request, kernels):
         pytest.skip(f"this CPU has no {request.param} (best: {kernels.supported_simd()})")
     assert kernels.select_simd(request.param) == request.param
     yield request.param
-    kernels.select_simd("avx512vnni")
+    kernels.select_simd(BEST)

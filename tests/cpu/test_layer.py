@@ -15,6 +15,7 @@ import pytest
 
 from ggml_ref import ggml, quantize_chunk
 
+from ntx_engine.backends.cpu_kernels import BEST_SIMD as BEST
 from ntx_engine.backends.cpu_native import NativeCpuBackend, WholeLayers, is_dense
 from ntx_engine.config import ModelConfig
 from ntx_engine.model import LayerWeights, ModelWeights, Transformer
@@ -90,19 +91,15 @@ def test_whole_layer_equals_op_by_op(kernels, t, qwen2):
     assert _steps(op, whole, cfg, np.random.default_rng(1)) == 4
 
 
-@pytest.mark.parametrize("simd", ["portable", "avx2", "avx512vnni"])
 def test_q4_k_m_mix_f32_cache_partial_rope_each_simd_level(kernels, simd):
     """Q4_K_M's mix (Q6_K attn_v and ffn_down), an F32 KV cache, RoPE over half of each head."""
-    if ["portable", "avx2", "avx512vnni"].index(simd) > ["portable", "avx2", "avx512vnni"].index(kernels.supported_simd()):
-        pytest.skip(f"this CPU has no {simd} (best: {kernels.supported_simd()})")
-    kernels.select_simd(simd)
     try:
         cfg = dataclasses.replace(_cfg(T.Q4_K, False), rope_dim=32, n_head=8, n_head_kv=2, head_dim=32)
         types = [T.Q4_K, T.Q4_K, T.Q6_K, T.Q4_K, T.Q4_K, T.Q4_K, T.Q6_K]
         op, whole = _models(kernels, cfg, types, "f32", seed=3)
         _steps(op, whole, cfg, np.random.default_rng(4))
     finally:
-        kernels.select_simd("avx512vnni")
+        kernels.select_simd(BEST)
 
 
 def test_whole_layer_makes_no_op_level_calls(kernels):

@@ -19,6 +19,7 @@ from ggml_ref import ggml, quantize_chunk
 from make_synthetic_model import random_blocks
 
 from ntx_engine import matmul, quants
+from ntx_engine.backends.cpu_kernels import BEST_SIMD as BEST
 from ntx_engine.backends.cpu_kernels import SIMD_NAMES
 from ntx_engine.backends.numpy_backend import NumpyBackend
 from ntx_engine.quants import GGMLType as T
@@ -155,7 +156,7 @@ def test_simd_and_portable_paths_agree(kernels, t):
             assert (np.abs(other - base) <= bound).all(), f"{level} vs portable:\n" + \
                 bad_block_report(other, base, bound, raw, raw.size // rows)
     finally:
-        kernels.select_simd("avx512vnni")
+        kernels.select_simd(BEST)
 
 
 def test_env_var_forces_the_portable_path():
