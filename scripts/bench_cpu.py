@@ -6,6 +6,7 @@ one run: the two alternate for `--rounds` rounds so load from other processes hi
     python scripts/bench_cpu.py                       # SmolLM2-135M-Instruct Q4_1, all cores
     python scripts/bench_cpu.py --model M.gguf --threads 2 --tokens 128 --json out.json
     python scripts/bench_cpu.py layer --threads 2    # per-layer time: op by op vs one native call
+    python scripts/bench_cpu.py matvec --threads 1,2  # matvec GB/s per thread count (bench_matvec.py)
 
 ntx runs twice per round: each layer one native call (the default) and op by op
 (NTX_CPU_WHOLE_LAYER=0), so both paths are compared in the same run.
@@ -239,6 +240,11 @@ def layer_main(argv: list[str]) -> None:
 def main() -> None:
     if sys.argv[1:2] == ["layer"]:
         layer_main(sys.argv[2:])
+        return
+    if sys.argv[1:2] == ["matvec"]:  # matvec GB/s per thread count (scripts/bench_matvec.py)
+        from bench_matvec import main as matvec_main
+
+        matvec_main(sys.argv[2:])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
