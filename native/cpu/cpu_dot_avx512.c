@@ -27,9 +27,12 @@ ALWAYS_INLINE float hsum128(__m128 s) {
     return _mm_cvtss_f32(s);
 }
 
-ALWAYS_INLINE float hsum512(__m512 v) {
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+ALWAYS_INLINE float hsum256(__m256 h) {
     return hsum128(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+ALWAYS_INLINE float hsum512(__m512 v) {
+    return hsum256(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
 }
 
 /* scaled integer sum of 64 weight bytes (u8) with 64 activation bytes (s8), int16 scales */
@@ -42,7 +45,7 @@ ALWAYS_INLINE __m512i scaled_dot(__m512i acc, __m512i q, const int8_t *y, __m512
 struct q4k_unpacked {
     __m512i q[4];   /* chunk c: sub-blocks 2c (bytes 0-31) and 2c+1 (32-63), values 0..15 */
     __m512i sc[4];  /* their scales, int16: lanes 0-15 sub-block 2c, 16-31 sub-block 2c+1 */
-    __m128i mins;   /* 8 mins, int16 */
+    __m256i mins;   /* 8 mins, int16, each twice: pairs with the 16 bsums of 16 values */
     float d, dmin;
 };
 
@@ -65,7 +68,8 @@ ALWAYS_INLINE void q4k_unpack(const blk_q4_K *x, const __m512i pick[4], struct q
     q4k_scales(x->scales, &sc, &mn);
     __m512i sc16 = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
     for (int c = 0; c < 4; c++) u->sc[c] = _mm512_shuffle_epi8(sc16, pick[c]);
-    u->mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn));
+    __m128i m8 = _mm_cvtsi64_si128((long long)mn);
+    u->mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
     for (int h = 0; h < 2; h++) {
         __m512i a = _mm512_loadu_si512(x->qs + 64 * h);
         __m512i lo = _mm512_and_si512(a, m4), hi = _mm512_and_si512(_mm512_srli_epi16(a, 4), m4);
@@ -86,14 +90,16 @@ static void q4k_picks(__m512i pick[4]) {
     }
 }
 
-ALWAYS_INLINE void q4k_row(const struct q4k_unpacked *u, const blk_q8_K *y, __m512 *acc, __m128 *accm) {
-    __m512i s = _mm512_setzero_si512();
-    for (int c = 0; c < 4; c++) s = scaled_dot(s, u->q[c], y->qs + 64 * c, u->sc[c]);
-    *acc = _mm512_fmadd_ps(_mm512_set1_ps(y->d * u->d), _mm512_cvtepi32_ps(s), *acc);
-    __m128i bs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)y->bsums),
-                                _mm_loadu_si128((const __m128i *)(y->bsums + 8)));
-    __m128i m = _mm_madd_epi16(u->mins, bs);  /* sum of mins x (bsums of 32) in 4 int32 */
-    *accm = _mm_fmadd_ps(_mm_set1_ps(y->d * u->dmin), _mm_cvtepi32_ps(m), *accm);
+ALWAYS_INLINE void q4k_row(const struct q4k_unpacked *u, const blk_q8_K *y, __m512 *acc, __m256 *accm) {
+    /* two chains: shorter dependency, and the integer sum is exact in any order */
+    __m512i s0 = scaled_dot(_mm512_setzero_si512(), u->q[0], y->qs, u->sc[0]);
+    __m512i s1 = scaled_dot(_mm512_setzero_si512(), u->q[1], y->qs + 64, u->sc[1]);
+    s0 = scaled_dot(s0, u->q[2], y->qs + 128, u->sc[2]);
+    s1 = scaled_dot(s1, u->q[3], y->qs + 192, u->sc[3]);
+    *acc = _mm512_fmadd_ps(_mm512_set1_ps(y->d * u->d), _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), *acc);
+    /* mins x bsums: min j against bsums 2j and 2j+1, 8 int32 */
+    __m256i m = _mm256_madd_epi16(u->mins, _mm256_loadu_si256((const __m256i *)y->bsums));
+    *accm = _mm256_fmadd_ps(_mm256_set1_ps(y->d * u->dmin), _mm256_cvtepi32_ps(m), *accm);
 }
 
 ALWAYS_INLINE void q4k_body(int64_t k, const blk_q4_K *x, const uint8_t *act, int64_t act_bytes,
@@ -101,10 +107,10 @@ ALWAYS_INLINE void q4k_body(int64_t k, const blk_q4_K *x, const uint8_t *act, in
     __m512i pick[4];
     q4k_picks(pick);
     __m512 acc[NTX_DOTN_MAX];
-    __m128 accm[NTX_DOTN_MAX];
+    __m256 accm[NTX_DOTN_MAX];
     for (int r = 0; r < nr; r++) {
         acc[r] = _mm512_setzero_ps();
-        accm[r] = _mm_setzero_ps();
+        accm[r] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < k / QK_K; b++) {
         struct q4k_unpacked u;
@@ -112,7 +118,7 @@ ALWAYS_INLINE void q4k_body(int64_t k, const blk_q4_K *x, const uint8_t *act, in
         for (int r = 0; r < nr; r++)
             q4k_row(&u, (const blk_q8_K *)(act + r * act_bytes) + b, &acc[r], &accm[r]);
     }
-    for (int r = 0; r < nr; r++) out[r * out_stride] = hsum512(acc[r]) - hsum128(accm[r]);
+    for (int r = 0; r < nr; r++) out[r * out_stride] = hsum512(acc[r]) - hsum256(accm[r]);
 }
 
 /* ---------------------------------------------------------------------------- Q6_K */
@@ -154,8 +160,10 @@ static void q6k_picks(__m512i pick[4]) {
 }
 
 ALWAYS_INLINE void q6k_row(const struct q6k_unpacked *u, const blk_q8_K *y, __m512 *acc) {
-    __m512i s = _mm512_setzero_si512();
-    for (int c = 0; c < 4; c++) s = scaled_dot(s, u->q[c], y->qs + 64 * c, u->sc[c]);
+    __m512i s0 = scaled_dot(_mm512_setzero_si512(), u->q[0], y->qs, u->sc[0]);
+    __m512i s1 = scaled_dot(_mm512_setzero_si512(), u->q[1], y->qs + 64, u->sc[1]);
+    s0 = scaled_dot(s0, u->q[2], y->qs + 128, u->sc[2]);
+    __m512i s = _mm512_add_epi32(s0, scaled_dot(s1, u->q[3], y->qs + 192, u->sc[3]));
     /* q6 - 32: minus 32 x sum of scale x group sum, exact in int32 */
     __m256i off = _mm256_madd_epi16(u->sc16, _mm256_loadu_si256((const __m256i *)y->bsums));
     s = _mm512_sub_epi32(s, _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5)));
