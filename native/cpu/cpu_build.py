@@ -21,7 +21,7 @@ from cffi_module import module  # noqa: E402  native/cffi_module.py, shared with
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ["cpu_pool.c", "cpu_act.c", "cpu_dot.c", "cpu_dot_avx2.c", "cpu_dot_vnni.c",
            "cpu_dot_avx512.c", "cpu_matmul.c", "cpu_ops.c", "cpu_layer.c"]
-HEADERS = ["ntx_cpu.h", "cpu_impl.h", "cpu_dot_x86.inc"]
+HEADERS = ["ntx_cpu.h", "cpu_impl.h", "cpu_dot_x86.inc", "cpu_dot_x86_rows.inc"]
 # -ffp-contract=off: float expressions round exactly as written (the numpy oracle never fuses)
 CFLAGS = ["-std=gnu11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden", "-ffp-contract=off",
           "-pthread"]

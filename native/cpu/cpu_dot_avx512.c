@@ -67,9 +67,11 @@ ALWAYS_INLINE void q4k_unpack(const blk_q4_K *x, const __m512i pick[4], struct q
     uint64_t sc, mn;
     q4k_scales(x->scales, &sc, &mn);
     __m512i sc16 = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+    #pragma GCC unroll 8
     for (int c = 0; c < 4; c++) u->sc[c] = _mm512_shuffle_epi8(sc16, pick[c]);
     __m128i m8 = _mm_cvtsi64_si128((long long)mn);
     u->mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+    #pragma GCC unroll 8
     for (int h = 0; h < 2; h++) {
         __m512i a = _mm512_loadu_si512(x->qs + 64 * h);
         __m512i lo = _mm512_and_si512(a, m4), hi = _mm512_and_si512(_mm512_srli_epi16(a, 4), m4);
@@ -82,6 +84,7 @@ ALWAYS_INLINE void q4k_unpack(const blk_q4_K *x, const __m512i pick[4], struct q
 
 /* pshufb controls: int16 scale 2c in the low 256 bits, 2c+1 in the high */
 static void q4k_picks(__m512i pick[4]) {
+    #pragma GCC unroll 8
     for (int c = 0; c < 4; c++) {
         int a = 4 * c, b = 4 * c + 2;
         __m512i lo = _mm512_set1_epi32(a | (a + 1) << 8 | a << 16 | (a + 1) << 24);
@@ -108,6 +111,7 @@ ALWAYS_INLINE void q4k_body(int64_t k, const blk_q4_K *x, const uint8_t *act, in
     q4k_picks(pick);
     __m512 acc[NTX_DOTN_MAX];
     __m256 accm[NTX_DOTN_MAX];
+    #pragma GCC unroll 8
     for (int r = 0; r < nr; r++) {
         acc[r] = _mm512_setzero_ps();
         accm[r] = _mm256_setzero_ps();
@@ -115,9 +119,11 @@ ALWAYS_INLINE void q4k_body(int64_t k, const blk_q4_K *x, const uint8_t *act, in
     for (int64_t b = 0; b < k / QK_K; b++) {
         struct q4k_unpacked u;
         q4k_unpack(&x[b], pick, &u);
+        #pragma GCC unroll 8
         for (int r = 0; r < nr; r++)
             q4k_row(&u, (const blk_q8_K *)(act + r * act_bytes) + b, &acc[r], &accm[r]);
     }
+    #pragma GCC unroll 8
     for (int r = 0; r < nr; r++) out[r * out_stride] = hsum512(acc[r]) - hsum256(accm[r]);
 }
 
@@ -136,7 +142,9 @@ ALWAYS_INLINE void q6k_unpack(const blk_q6_K *x, const __m512i pick[4], struct q
     const __m512i shift_hi = _mm512_add_epi16(shift_lo, _mm512_set1_epi16(4));
     u->sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
     __m512i sc = _mm512_castsi256_si512(u->sc16);
+    #pragma GCC unroll 8
     for (int c = 0; c < 4; c++) u->sc[c] = _mm512_permutexvar_epi16(pick[c], sc);
+    #pragma GCC unroll 8
     for (int h = 0; h < 2; h++) {
         __m512i l = _mm512_loadu_si512(x->ql + 64 * h);
         __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->qh + 32 * h)));
@@ -152,8 +160,10 @@ ALWAYS_INLINE void q6k_unpack(const blk_q6_K *x, const __m512i pick[4], struct q
 
 /* vpermw indices: int16 lane j of chunk c takes scale 4c + j/8 */
 static void q6k_picks(__m512i pick[4]) {
+    #pragma GCC unroll 8
     for (int c = 0; c < 4; c++) {
         int16_t idx[32];
+        #pragma GCC unroll 8
         for (int j = 0; j < 32; j++) idx[j] = (int16_t)(4 * c + j / 8);
         pick[c] = _mm512_loadu_si512(idx);
     }
@@ -175,12 +185,15 @@ ALWAYS_INLINE void q6k_body(int64_t k, const blk_q6_K *x, const uint8_t *act, in
     __m512i pick[4];
     q6k_picks(pick);
     __m512 acc[NTX_DOTN_MAX];
+    #pragma GCC unroll 8
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < k / QK_K; b++) {
         struct q6k_unpacked u;
         q6k_unpack(&x[b], pick, &u);
+        #pragma GCC unroll 8
         for (int r = 0; r < nr; r++) q6k_row(&u, (const blk_q8_K *)(act + r * act_bytes) + b, &acc[r]);
     }
+    #pragma GCC unroll 8
     for (int r = 0; r < nr; r++) out[r * out_stride] = hsum512(acc[r]);
 }
 
@@ -197,6 +210,7 @@ ALWAYS_INLINE __m512i q8_pair(const blk_q8_0 *y, __m512i ax, __mmask64 neg) {
 ALWAYS_INLINE void q80_body(int64_t k, const blk_q8_0 *x, const uint8_t *act, int64_t act_bytes,
                             int nr, float *out, int64_t out_stride) {
     __m512 acc[NTX_DOTN_MAX];
+    #pragma GCC unroll 8
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     int64_t nb = k / QK, b = 0;
     for (; b + 2 <= nb; b += 2) {
@@ -205,12 +219,14 @@ ALWAYS_INLINE void q80_body(int64_t k, const blk_q8_0 *x, const uint8_t *act, in
         __mmask64 neg = _mm512_movepi8_mask(xv);
         __m512i ax = _mm512_abs_epi8(xv);
         float d0 = h2f(x[b].d), d1 = h2f(x[b + 1].d);
+        #pragma GCC unroll 8
         for (int r = 0; r < nr; r++) {
             const blk_q8_0 *y = (const blk_q8_0 *)(act + r * act_bytes) + b;
             __m512 d = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d0 * h2f(y[0].d)), _mm512_set1_ps(d1 * h2f(y[1].d)));
             acc[r] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q8_pair(y, ax, neg)), acc[r]);
         }
     }
+    #pragma GCC unroll 8
     for (int r = 0; r < nr; r++) {
         float s = hsum512(acc[r]);
         if (b < nb) {  /* an odd last block: scalar sum, exact */
