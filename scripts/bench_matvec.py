@@ -112,7 +112,7 @@ def _timed(kern, w, x, reps: int) -> float:
 
 
 def run(threads: list[int], types: list[str], rows_per_token: list[int], total_gb: float,
-        seconds: float) -> dict:
+        seconds: float, simds: list[str] | None = None) -> dict:
     import numpy as np
 
     from ntx_engine.backends.cpu_kernels import CpuKernels
@@ -129,14 +129,18 @@ def run(threads: list[int], types: list[str], rows_per_token: list[int], total_g
             kern = CpuKernels(threads=th)
             doc["simd"] = kern.simd
             handles = [kern.weight(t, m, *SHAPE, f"{name}[{i}]") for i, m in enumerate(mats)]
-            for n in rows_per_token:
-                x = np.random.default_rng(n).standard_normal((n, SHAPE[1])).astype(np.float32)
-                dt = time_pass(kern, handles, x, seconds)
-                row = {"threads": th, "type": name, "rows": n, "matrices": len(handles), "ms": round(dt * 1e3, 3),
-                       "gb_s": round(nbytes / dt / 1e9, 2), "ns_per_superblock_thread": round(dt * th / sb * 1e9, 2)}
-                doc["results"].append(row)
-                print(f"threads {th:3d} {name:5s} rows {n}: {row['ms']:8.3f} ms/matvec {row['gb_s']:7.2f} GB/s "
-                      f"{row['ns_per_superblock_thread']:7.2f} ns/super-block/thread", file=sys.stderr, flush=True)
+            for level in simds or [kern.simd]:
+                simd = kern.select_simd(level)
+                for n in rows_per_token:
+                    x = np.random.default_rng(n).standard_normal((n, SHAPE[1])).astype(np.float32)
+                    dt = time_pass(kern, handles, x, seconds)
+                    row = {"threads": th, "type": name, "rows": n, "simd": simd, "matrices": len(handles),
+                           "ms": round(dt * 1e3, 3), "gb_s": round(nbytes / dt / 1e9, 2),
+                           "ns_per_superblock_thread": round(dt * th / sb * 1e9, 2)}
+                    doc["results"].append(row)
+                    print(f"threads {th:3d} {name:5s} rows {n} {simd:10s}: {row['ms']:8.3f} ms/matvec "
+                          f"{row['gb_s']:7.2f} GB/s {row['ns_per_superblock_thread']:7.2f} ns/super-block/thread",
+                          file=sys.stderr, flush=True)
             kern.close()
     weight_set("q4_k", 0, buf)  # the tiny matrices are Q4_K
     for th in threads:
@@ -156,6 +160,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--rows-per-token", default="1,4", help="activation rows per matvec (1 = decode)")
     ap.add_argument("--gb", type=float, default=1.0, help="weight bytes per type, cycled (>= 1 GB: no L3 hits)")
     ap.add_argument("--seconds", type=float, default=0.4, help="minimum timed seconds per configuration")
+    ap.add_argument("--simd", default="", help="comma-separated kernel tables to compare "
+                    "(avx512,avx512vnni,avx2,portable; capped at what the CPU has); default: the best")
     ap.add_argument("--json", type=Path, default=None, help="write the result here (always printed)")
     args = ap.parse_args(argv)
     types = args.types.split(",")
@@ -163,7 +169,7 @@ def main(argv: list[str]) -> None:
     if bad:
         raise SystemExit(f"unknown type(s) {bad}; known: {', '.join(TYPES)}")
     doc = run([int(v) for v in args.threads.split(",")], types, [int(v) for v in args.rows_per_token.split(",")],
-              args.gb, args.seconds)
+              args.gb, args.seconds, [v for v in args.simd.split(",") if v] or None)
     text = json.dumps(doc, indent=1)
     if args.json:
         args.json.write_text(text + "\n")
