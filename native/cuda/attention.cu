@@ -3,6 +3,7 @@
 // Rounds as the numpy backend does with an F16 cache: q and the probabilities to fp16 before
 // their dot products, the softmax sum in double.
 #include "ntx_half.cuh"
+#include "matvec_fast.cuh"  // the int8 activation quantizers (fused output quantization)
 
 __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -85,124 +86,226 @@ extern "C" __global__ void attention(const float* __restrict__ q, const uint16_t
     }
 }
 
-// --- split attention (flash-decoding): the context in chunks of ATTN_CHUNK positions, one block
-// per (head, chunk, token), so a decode step over a long context uses the whole GPU. Same
-// rounding as `attention`: the global max and the double softmax sum are formed before any
-// probability is rounded to fp16, so each chunk's p.V uses exactly the probabilities above.
-// The grid spans n_ctx (a captured graph replays at any position); chunks past pos[t] exit.
+// --- split attention (flash-decoding) for one decode token: the context in chunks of ATTN_CHUNK
+// positions, one block per (chunk, KV head) that serves all the query heads of its GQA group, so
+// each K/V row is read once per group and a decode step over a long context uses the whole GPU.
+// Same rounding as `attention`: q to fp16, the global max and the double softmax sum formed
+// before any probability is rounded to fp16, so each chunk's p.V uses exactly those values.
+// The grid spans n_ctx (a captured graph replays at any position); chunks past pos[0] exit.
+// The single kernel above needs blockDim a multiple of both 32 and head_dim (cuda_kernels).
+// Limits (cuda_kernels.gqa_split_ok): head_dim % 32 == 0, head_dim <= 256, G = n_head/n_kv <= 16,
+// G * head_dim <= ATTN_QMAX.
 #define ATTN_CHUNK 64
 #define ATTN_SPLIT_THREADS 256
+#define ATTN_WARPS (ATTN_SPLIT_THREADS / 32)
+#define ATTN_GMAX 16
+#define ATTN_QMAX 4096
 
-// The softmax statistics of one (token, head) over positions 0..T-1: the global max M of the chunk
-// maxima and the double sum of exp(s - M), each thread over p = tid, tid + blockDim, ... then a
-// block sum. Formed once, by the last chunk's block of attn_scores to finish, so every attn_pv
-// block reads the very same bits (this used to be recomputed by each of them). __ldcg: another
-// SM wrote these values in this kernel, so they are read from L2, never from a stale L1 line.
-__device__ void softmax_stats(const float* sc, const float* cm, int used, int T, float* gmax, double* gsum,
-                              float* red, double* red_d) {
+// V = head_dim / 32 consecutive fp16 values of a K row, lane's share, as floats (vector loads:
+// rows start 64-byte aligned since kv_dim is a multiple of 32).
+template <int V>
+__device__ __forceinline__ void ld_halves(const uint16_t* p, float* f) {
+    if constexpr (V % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < V; i += 4) {
+            const uint2 w = *reinterpret_cast<const uint2*>(p + i);
+            f[i] = ntx_h2f((uint16_t)(w.x & 0xffffu)); f[i + 1] = ntx_h2f((uint16_t)(w.x >> 16));
+            f[i + 2] = ntx_h2f((uint16_t)(w.y & 0xffffu)); f[i + 3] = ntx_h2f((uint16_t)(w.y >> 16));
+        }
+    } else if constexpr (V % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < V; i += 2) {
+            const uint32_t w = *reinterpret_cast<const uint32_t*>(p + i);
+            f[i] = ntx_h2f((uint16_t)(w & 0xffffu)); f[i + 1] = ntx_h2f((uint16_t)(w >> 16));
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) f[i] = ntx_h2f(p[i]);
+    }
+}
+
+// The softmax statistics of query head h over positions 0..T-1, by one warp: the global max M of
+// the used chunk maxima and the double sum of exp(s - M). __ldcg: other SMs wrote these values in
+// this kernel, so they are read from L2, never from a stale L1 line.
+__device__ void softmax_stats_warp(const float* sc, const float* cm, int used, int T, float* gmax, double* gsum) {
+    const int lane = threadIdx.x & 31;
     float m = -3.402823466e38f;
-    for (int i = threadIdx.x; i < used; i += blockDim.x) m = fmaxf(m, __ldcg(cm + i));
-    m = block_max(m, red);
+    for (int i = lane; i < used; i += 32) m = fmaxf(m, __ldcg(cm + i));
+    m = warp_max(m);
     double sum = 0.0;
-    for (int p = threadIdx.x; p < T; p += blockDim.x) sum += (double)expf(__ldcg(sc + p) - m);
-    sum = block_sum_d(sum, red_d);
-    if (threadIdx.x == 0) {
+    for (int p = lane; p < T; p += 32) sum += (double)expf(__ldcg(sc + p) - m);
+    sum = warp_sum_d(sum);
+    if (lane == 0) {
         *gmax = m;
         *gsum = sum;
     }
 }
 
-// Pass 1: scores (n, n_head, n_ctx) = scale * fp16(q) . k; cmax (n, n_head, nchunk) chunk maxima;
-// the last block of each (token, head) to finish also writes gmax/gsum (n, n_head) and resets
-// that (token, head)'s arrival counter (zero between launches, so a captured graph replays).
-extern "C" __global__ void __launch_bounds__(ATTN_SPLIT_THREADS)
-attn_scores(const float* __restrict__ q, const uint16_t* __restrict__ kc, float* scores, float* cmax,
-            const int* __restrict__ pos, int n_head, int n_kv, int hd, int n_ctx, float scale,
-            unsigned int* counter, float* gmax, double* gsum) {
-    NTX_PDL();
-    __shared__ float qs[256], red[32];
-    __shared__ double red_d[32];
+// Pass 1: scores (n_head, n_ctx) = scale * fp16(q) . k and cmax (n_head, nchunk), the chunk
+// maxima; the last block of each KV head to finish writes gmax/gsum (n_head) of its G query heads
+// and resets that head's arrival counter (zero between launches, so a captured graph replays).
+// Grid (nchunk, n_kv). One warp a position: lane holds V = hd/32 consecutive values of the K row.
+template <int V>
+__device__ void gqa_scores(const float* __restrict__ q, const uint16_t* __restrict__ kc, float* scores,
+                           float* cmax, const int* __restrict__ pos, int n_head, int n_kv, int n_ctx, float scale,
+                           unsigned int* counter, float* gmax, double* gsum) {
+    __shared__ float qs[ATTN_QMAX], wmax[ATTN_WARPS][ATTN_GMAX];
     __shared__ bool last;
-    const int h = blockIdx.x, c = blockIdx.y, t = blockIdx.z, nchunk = gridDim.y;
-    const int T = pos[t] + 1, p0 = c * ATTN_CHUNK, p1 = min(p0 + ATTN_CHUNK, T);
+    const int hd = 32 * V, c = blockIdx.x, kvh = blockIdx.y, nchunk = gridDim.x, G = n_head / n_kv;
+    const int T = pos[0] + 1, p0 = c * ATTN_CHUNK, p1 = min(p0 + ATTN_CHUNK, T);
     if (p0 >= T) return;  // the whole block
-    const int kvh = h / (n_head / n_kv), kv_dim = n_kv * hd;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const size_t th = (size_t)t * n_head + h;
-    const float* qh = q + th * hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = ntx_round_f16(qh[d]);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, kv_dim = n_kv * hd;
+    const float* qg = q + (size_t)kvh * G * hd;  // the group's heads are consecutive
+    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = ntx_round_f16(qg[i]);
     __syncthreads();
-    float* sc = scores + th * n_ctx;
-    float m = -3.402823466e38f;
-    // unrolled so the K rows of several positions are in flight at once (each iteration alone is
-    // a chain of dependent global loads and shuffles); the arithmetic per position is unchanged
-#pragma unroll 4
-    for (int p = p0 + warp; p < p1; p += nw) {
-        const uint16_t* kr = kc + (size_t)p * kv_dim + kvh * hd;
-        float s = 0.f;
-        for (int d = lane; d < hd; d += 32) s += qs[d] * ntx_h2f(kr[d]);
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        s *= scale;
-        if (lane == 0) sc[p] = s;
-        m = fmaxf(m, s);
+    float m[ATTN_GMAX];
+#pragma unroll
+    for (int g = 0; g < ATTN_GMAX; ++g) m[g] = -3.402823466e38f;
+    for (int p = p0 + warp; p < p1; p += ATTN_WARPS) {
+        float kf[V], s[ATTN_GMAX];
+        ld_halves<V>(kc + (size_t)p * kv_dim + kvh * hd + lane * V, kf);
+#pragma unroll
+        for (int g = 0; g < ATTN_GMAX; ++g) {
+            if (g >= G) break;
+            const float* qh = qs + g * hd + lane * V;
+            s[g] = 0.f;
+#pragma unroll
+            for (int i = 0; i < V; ++i) s[g] += qh[i] * kf[i];
+        }
+        // the G butterflies side by side: 5 dependent steps, not 5 G
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+            for (int g = 0; g < ATTN_GMAX; ++g) {
+                if (g >= G) break;
+                s[g] += __shfl_xor_sync(0xffffffffu, s[g], o);
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < ATTN_GMAX; ++g) {
+            if (g >= G) break;
+            const float v = s[g] * scale;
+            if (lane == g) scores[(size_t)(kvh * G + g) * n_ctx + p] = v;  // G lanes store at once
+            m[g] = fmaxf(m[g], v);
+        }
     }
-    m = block_max(m, red);
-    if (threadIdx.x == 0) cmax[th * nchunk + c] = m;
-    const int used = (T + ATTN_CHUNK - 1) / ATTN_CHUNK;
-    __threadfence();  // this block's scores and maximum are visible before it is counted
+    if (lane == 0)
+        for (int g = 0; g < G; ++g) wmax[warp][g] = m[g];
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counter + th, 1u) == (unsigned int)(used - 1);
+    if (threadIdx.x < G) {
+        float mm = wmax[0][threadIdx.x];
+        for (int w = 1; w < ATTN_WARPS; ++w) mm = fmaxf(mm, wmax[w][threadIdx.x]);
+        cmax[(size_t)(kvh * G + threadIdx.x) * nchunk + c] = mm;
+    }
+    const int used = (T + ATTN_CHUNK - 1) / ATTN_CHUNK;
+    __threadfence();  // this block's scores and maxima are visible before it is counted
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counter + kvh, 1u) == (unsigned int)(used - 1);
     __syncthreads();
     if (!last) return;
     __threadfence();
-    softmax_stats(sc, cmax + th * nchunk, used, T, gmax + th, gsum + th, red, red_d);
-    if (threadIdx.x == 0) counter[th] = 0u;
+    for (int g = warp; g < G; g += ATTN_WARPS) {  // a warp a query head
+        const int h = kvh * G + g;
+        softmax_stats_warp(scores + (size_t)h * n_ctx, cmax + (size_t)h * nchunk, used, T, gmax + h, gsum + h);
+    }
+    if (threadIdx.x == 0) counter[kvh] = 0u;
 }
 
-// Pass 2: per chunk, p = fp16(exp(s - M) / sum) with pass 1's global M and double sum, then
-// part (n, n_head, nchunk, hd) = p . V over the chunk.
-extern "C" __global__ void __launch_bounds__(ATTN_SPLIT_THREADS)
-attn_pv(const float* __restrict__ scores, const float* __restrict__ gmax, const double* __restrict__ gsum,
-        const uint16_t* __restrict__ vc, float* __restrict__ part, const int* __restrict__ pos, int n_head,
-        int n_kv, int hd, int n_ctx) {
-    NTX_PDL();
-    __shared__ float prob[ATTN_CHUNK], acc_s[ATTN_SPLIT_THREADS];
-    const int h = blockIdx.x, c = blockIdx.y, t = blockIdx.z, nchunk = gridDim.y;
-    const int T = pos[t] + 1, p0 = c * ATTN_CHUNK, p1 = min(p0 + ATTN_CHUNK, T);
+// Pass 2: per chunk, p = fp16(exp(s - M) / sum) with pass 1's global M and double sum, and
+// part (n_head, nchunk, hd) = p . V over the chunk: a thread holds two dims of the V row for
+// PG = 2 * blockDim / hd position groups. The last block of each KV head to finish sums the used
+// chunks' parts in chunk order into out (n_head * hd) and, when qmode != 0, quantizes its G * hd
+// values for the next matmul as quanti_q8_1 (qmode 1) or quanti_q8_k (qmode 2) would.
+template <int V>
+__device__ void gqa_pv(const float* __restrict__ scores, const float* __restrict__ gmax,
+                       const double* __restrict__ gsum, const uint16_t* __restrict__ vc, float* part,
+                       float* out, const int* __restrict__ pos, int n_head, int n_kv, int n_ctx,
+                       unsigned int* counter, int8_t* xq, float* xd, float* xs, int qmode) {
+    constexpr int hd = 32 * V, D2 = hd / 2, PG = ATTN_SPLIT_THREADS / D2;
+    __shared__ float prob[ATTN_GMAX][ATTN_CHUNK], acc_s[ATTN_QMAX];
+    __shared__ bool last;
+    const int c = blockIdx.x, kvh = blockIdx.y, nchunk = gridDim.x, G = n_head / n_kv;
+    const int T = pos[0] + 1, p0 = c * ATTN_CHUNK, p1 = min(p0 + ATTN_CHUNK, T);
     if (p0 >= T) return;
-    const size_t th = (size_t)t * n_head + h;
-    const float m = gmax[th];
-    const double sum = gsum[th];
-    const float* sc = scores + th * n_ctx;
-    for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x)
-        prob[p - p0] = ntx_round_f16((float)((double)expf(sc[p] - m) / sum));
-    __syncthreads();
-    const int kvh = h / (n_head / n_kv), kv_dim = n_kv * hd;
-    const int d = threadIdx.x % hd, g = threadIdx.x / hd, G = blockDim.x / hd;
-    float acc = 0.f;
-    if (g < G) {
-        // unrolled: the V loads of 8 positions issue together (the sum is still in position order)
-#pragma unroll 8
-        for (int p = p0 + g; p < p1; p += G) acc += prob[p - p0] * ntx_h2f(vc[(size_t)p * kv_dim + kvh * hd + d]);
+    const int kv_dim = n_kv * hd;
+    for (int i = threadIdx.x; i < G * ATTN_CHUNK; i += blockDim.x) {
+        const int g = i / ATTN_CHUNK, p = p0 + i % ATTN_CHUNK, h = kvh * G + g;
+        if (p < p1)
+            prob[g][p - p0] = ntx_round_f16((float)((double)expf(scores[(size_t)h * n_ctx + p] - gmax[h]) / gsum[h]));
     }
-    acc_s[threadIdx.x] = acc;
     __syncthreads();
-    if (g == 0) {
+    const int dt = threadIdx.x % D2, pg = threadIdx.x / D2;
+    float a0[ATTN_GMAX], a1[ATTN_GMAX];
+#pragma unroll
+    for (int g = 0; g < ATTN_GMAX; ++g) a0[g] = a1[g] = 0.f;
+#pragma unroll 4
+    for (int p = p0 + pg; pg < PG && p < p1; p += PG) {  // pg < PG: 256 threads need not be whole rows
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(vc + (size_t)p * kv_dim + kvh * hd + 2 * dt);
+        const float v0 = ntx_h2f((uint16_t)(w & 0xffffu)), v1 = ntx_h2f((uint16_t)(w >> 16));
+#pragma unroll
+        for (int g = 0; g < ATTN_GMAX; ++g) {
+            if (g >= G) break;
+            a0[g] += prob[g][p - p0] * v0;
+            a1[g] += prob[g][p - p0] * v1;
+        }
+    }
+    // the PG groups' sums, then in group order (deterministic)
+    for (int part_pg = 0; part_pg < PG; ++part_pg) {
+        if (pg == part_pg)
+            for (int g = 0; g < G; ++g) {
+                float* dst = acc_s + g * hd + 2 * dt;
+                dst[0] = part_pg == 0 ? a0[g] : dst[0] + a0[g];
+                dst[1] = part_pg == 0 ? a1[g] : dst[1] + a1[g];
+            }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
+        const int g = i / hd, d = i % hd;
+        part[((size_t)(kvh * G + g) * nchunk + c) * hd + d] = acc_s[i];
+    }
+    const int used = (T + ATTN_CHUNK - 1) / ATTN_CHUNK;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counter + kvh, 1u) == (unsigned int)(used - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    float* og = out + (size_t)kvh * G * hd;
+    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
+        const int g = i / hd, d = i % hd;
+        const float* pp = part + (size_t)(kvh * G + g) * nchunk * hd + d;
         float s = 0.f;
-        for (int i = 0; i < G; ++i) s += acc_s[i * hd + d];
-        part[(th * nchunk + c) * hd + d] = s;
+        for (int cc = 0; cc < used; ++cc) s += __ldcg(pp + (size_t)cc * hd);
+        og[i] = s;
+    }
+    if (threadIdx.x == 0) counter[kvh] = 0u;
+    if (qmode == 0) return;
+    __syncthreads();  // the group's outputs, written by the whole block, are visible to every warp
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int per = qmode == 2 ? 256 : 32, b0 = kvh * G * hd / per, nb = G * hd / per;
+    for (int b = warp; b < nb; b += ATTN_WARPS) {
+        if (qmode == 2) quanti_q8_k_block(out, xq, xd, xs, b0 + b, lane);
+        else quanti_q8_1_block(out, xq, xd, xs, b0 + b, lane);
     }
 }
 
-// Pass 3: out (n, n_head*hd) = the sum of the used chunks' parts, in chunk order (deterministic).
-extern "C" __global__ void attn_reduce(const float* __restrict__ part, float* __restrict__ out,
-                                       const int* __restrict__ pos, int n_head, int hd, int nchunk) {
-    NTX_PDL();
-    const int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
-    if (d >= hd) return;
-    const int used = (pos[t] + ATTN_CHUNK) / ATTN_CHUNK;  // ceil((pos + 1) / CHUNK)
-    const size_t th = (size_t)t * n_head + h;
-    float s = 0.f;
-    for (int c = 0; c < used; ++c) s += part[(th * nchunk + c) * hd + d];
-    out[th * hd + d] = s;
-}
+#define NTX_GQA(V)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(ATTN_SPLIT_THREADS)                                          \
+    attn_gqa_scores_##V(const float* q, const uint16_t* kc, float* scores, float* cmax, const int* pos,      \
+                        int n_head, int n_kv, int n_ctx, float scale, unsigned int* counter, float* gmax,     \
+                        double* gsum) {                                                                       \
+        NTX_PDL();                                                                                            \
+        gqa_scores<V>(q, kc, scores, cmax, pos, n_head, n_kv, n_ctx, scale, counter, gmax, gsum);             \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(ATTN_SPLIT_THREADS)                                          \
+    attn_gqa_pv_##V(const float* scores, const float* gmax, const double* gsum, const uint16_t* vc,          \
+                    float* part, float* out, const int* pos, int n_head, int n_kv, int n_ctx,                 \
+                    unsigned int* counter, int8_t* xq, float* xd, float* xs, int qmode) {                     \
+        NTX_PDL();                                                                                            \
+        gqa_pv<V>(scores, gmax, gsum, vc, part, out, pos, n_head, n_kv, n_ctx, counter, xq, xd, xs, qmode);   \
+    }
+
+NTX_GQA(2)  // head_dim 64
+NTX_GQA(3)  // 96
+NTX_GQA(4)  // 128
+NTX_GQA(8)  // 256

@@ -11,6 +11,17 @@
 
 // Rows of W0, W1, W2 numbered one after another; one warp a row as in matvec_fast.cu. ty*: the
 // NTX_FT_* code of each weight; all three share k and the activation format (vec_dot_type).
+// The L2 prefetch (before the PDL wait) of the row matvec_multi's warp will compute.
+__device__ __forceinline__ void multi_prefetch(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, int r0,
+                                               int r1, int r2, int ty0, int ty1, int ty2, int k) {
+    int row = blockIdx.x * NTX_FAST_WARPS + (threadIdx.x >> 5);
+    if (row < r0) return prefetch_row_any(ty0, W0, row, k);
+    row -= r0;
+    if (row < r1) return prefetch_row_any(ty1, W1, row, k);
+    row -= r1;
+    if (row < r2) prefetch_row_any(ty2, W2, row, k);
+}
+
 template <int N>
 __device__ void matvec_multi(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, float* Y0, float* Y1,
                              float* Y2, int r0, int r1, int r2, int ty0, int ty1, int ty2, const int8_t* xq,
@@ -55,12 +66,18 @@ __device__ void matvec_swiglu(const uint8_t* Wg, const uint8_t* Wu, int tyg, int
     matvecf_multi_n##N(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, float* Y0, float* Y1,      \
                        float* Y2, int r0, int r1, int r2, int ty0, int ty1, int ty2, const int8_t* xq,     \
                        const float* xd, const float* xs, int k, int n) {                                   \
+        multi_prefetch(W0, W1, W2, r0, r1, r2, ty0, ty1, ty2, k);                                          \
         NTX_PDL();                                                                                         \
         matvec_multi<N>(W0, W1, W2, Y0, Y1, Y2, r0, r1, r2, ty0, ty1, ty2, xq, xd, xs, k, n);              \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(NTX_FAST_WARPS * 32, (N == 1 ? NTX_FAST_MINB : 1))                   \
     matvecf_swiglu_n##N(const uint8_t* Wg, const uint8_t* Wu, int tyg, int tyu, const int8_t* xq,          \
                         const float* xd, const float* xs, float* Y, int rows, int k, int n) {              \
+        const int row = blockIdx.x * NTX_FAST_WARPS + (threadIdx.x >> 5);                                  \
+        if (row < rows) {                                                                                  \
+            prefetch_row_any(tyg, Wg, row, k);                                                             \
+            prefetch_row_any(tyu, Wu, row, k);                                                             \
+        }                                                                                                  \
         NTX_PDL();                                                                                         \
         matvec_swiglu<N>(Wg, Wu, tyg, tyu, xq, xd, xs, Y, rows, k, n);                                     \
     }

@@ -32,7 +32,12 @@ __device__ void matvec_fast(const uint8_t* __restrict__ W, const int8_t* __restr
 #define NTX_FAST(F, name, N)                                                                        \
     extern "C" __global__ void __launch_bounds__(NTX_FAST_WARPS * 32, (N == 1 ? NTX_FAST_MINB : 1))            \
     matvecf_##name##_n##N(const uint8_t* W, const int8_t* xq, const float* xd, const float* xs,     \
-                          float* Y, int rows, int k, int n) { NTX_PDL(); matvec_fast<F, N>(W, xq, xd, xs, Y, rows, k, n); }
+                          float* Y, int rows, int k, int n) {                                        \
+        const int row = blockIdx.x * NTX_FAST_WARPS + (threadIdx.x >> 5);                           \
+        if (row < rows) prefetch_row_l2(W, row, k / F::B::QK * F::B::BYTES, FastGroup<F>::BYTES);   \
+        NTX_PDL();                                                                                  \
+        matvec_fast<F, N>(W, xq, xd, xs, Y, rows, k, n);                                            \
+    }
 
 NTX_FAST(FastQ4_K, q4_k, 1)
 NTX_FAST(FastQ4_K, q4_k, 8)

@@ -25,6 +25,32 @@
 #define NTX_G_Q8_0 32
 #endif
 
+// L2 prefetch of the dp4a kernels, in groups of a row: before the PDL wait a warp may ask L2 for
+// the first NTX_PF_WAIT groups of its row (a weight never depends on the kernel before, so this
+// overlaps that kernel's tail), and while it decodes group g for group g + NTX_PF_AHEAD. Both
+// default to off: measured on the H200 (docs/cuda.md), 4 and 4 cost 8 % of decode speed.
+#ifndef NTX_PF_WAIT
+#define NTX_PF_WAIT 0
+#endif
+#ifndef NTX_PF_AHEAD
+#define NTX_PF_AHEAD 0
+#endif
+
+// Hopper's bulk L2 prefetch of [p, p + bytes) by lane 0: a hint that writes no register or
+// shared memory, so it is safe even where a copy fills the weight later. p and bytes are
+// multiples of 16 (cuda_kernels.fast_matvec_ok: 16-byte aligned tensors, whole 16-byte rows).
+__device__ __forceinline__ void prefetch_l2(const uint8_t* p, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if ((threadIdx.x & 31) == 0 && bytes > 0)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+// The first NTX_PF_WAIT groups (of group_bytes) of one row, before the PDL wait.
+__device__ __forceinline__ void prefetch_row_l2(const uint8_t* W, int row, int row_bytes, int group_bytes) {
+    if (NTX_PF_WAIT > 0) prefetch_l2(W + (size_t)row * row_bytes, min(row_bytes, NTX_PF_WAIT * group_bytes));
+}
+
 __device__ __forceinline__ float fwarp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -151,6 +177,8 @@ __device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row,
         __syncwarp();
         const int next = (g0 + F::G) * F::B::BYTES;
         if (next < row_bytes) load_group<F>(r, wrow + next, min(Grp::BYTES, row_bytes - next), lane);
+        const int ahead = (g0 + NTX_PF_AHEAD * F::G) * F::B::BYTES;
+        if (NTX_PF_AHEAD > 0 && ahead < row_bytes) prefetch_l2(wrow + ahead, min(Grp::BYTES, row_bytes - ahead));
         const int units = min(F::G, nb - g0) * F::B::UNITS;
         for (int u = lane; u < units; u += 32) {
             const int bl = u / F::B::UNITS, j = u % F::B::UNITS;
@@ -179,6 +207,20 @@ __device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row,
 #define NTX_FAST_STAGE (NTX_MAX3(NTX_G_Q4_K * 144, NTX_G_Q6_K * 210, NTX_G_Q8_0 * 34) + 16)  // + ld8 padding
 static_assert(FastGroup<FastQ4_K>::BYTES + 16 <= NTX_FAST_STAGE && FastGroup<FastQ6_K>::BYTES + 16 <= NTX_FAST_STAGE &&
               FastGroup<FastQ8_0>::BYTES + 16 <= NTX_FAST_STAGE, "NTX_FAST_STAGE too small");
+
+// Bytes of one row of k values, and of one group, of a fused kernel's weight type.
+__device__ __forceinline__ int fast_row_bytes(int type, int k) {
+    return type == NTX_FT_Q4_K ? k / 256 * 144 : type == NTX_FT_Q6_K ? k / 256 * 210 : k / 32 * 34;
+}
+
+__device__ __forceinline__ int fast_group_bytes(int type) {
+    return type == NTX_FT_Q4_K ? NTX_G_Q4_K * 144 : type == NTX_FT_Q6_K ? NTX_G_Q6_K * 210 : NTX_G_Q8_0 * 34;
+}
+
+// The L2 prefetch of a row of a weight whose type is known at run time.
+__device__ __forceinline__ void prefetch_row_any(int type, const uint8_t* W, int row, int k) {
+    prefetch_row_l2(W, row, fast_row_bytes(type, k), fast_group_bytes(type));
+}
 
 // fast_row for a weight whose type is only known at run time (warp-uniform branch).
 template <int N>

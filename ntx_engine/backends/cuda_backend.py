@@ -11,8 +11,9 @@ matmuls as one launch (matmul_many), "ffn" gate/up + SwiGLU as one (matmul_swigl
 two RoPEs and the KV-cache store as one (rope_attention), "norm" a residual add + RMSNorm + the
 next matmul's activation quantization as one: `add` of two same-shape arrays is held back
 (`_pending`) until the next op, and when that op is the rmsnorm of its result both run in one
-kernel; every other op launches the held add first (`flush`). Each fused kernel computes bit for
-bit what the unfused kernels compute.
+kernel; every other op launches the held add first (`flush`); "attn" the decode attention's last
+block also quantizes its output for the matmul that reads it (the o projection). Each fused kernel
+computes bit for bit what the unfused kernels compute.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from ntx_common.errors import UnsupportedQuantError, UsageError
 from ntx_engine import quants
 from ntx_engine.backends.cuda_driver import DeviceArray, MemoryPool, Stream, Device, download, upload
 from ntx_engine.backends.cuda_kernels import (ATTN_CHUNK, BLOCK_ELEMENTS, KERNEL_TYPES, MATVEC_MAX_TOKENS, MMQ_TYPES,
-                                             Kernels, fast_matvec_ok)
+                                             Kernels, fast_matvec_ok, gqa_split_ok)
 from ntx_engine.config import ROPE_NEOX, ModelConfig
 from ntx_engine.quants import GGMLType
 
-FUSIONS = ("qkv", "ffn", "rope", "norm")
+FUSIONS = ("qkv", "ffn", "rope", "norm", "attn")
 # prefill GEMM (dequant.cu + cuBLAS): a matmul of at least GEMM_MIN_TOKENS rows decodes the weight
 # to fp16 in slabs of at most GEMM_SLAB_BYTES and runs one tensor-core GEMM per slab
 GEMM_MIN_TOKENS = 32
@@ -115,6 +116,8 @@ class CudaBackend:
         self.capturing = False
         self._staged: tuple | None = None  # (positions tuple) last uploaded to pos_buf
         self._act_cache: tuple | None = None  # (x, (vec_dot_type, has_min), (x_hat, s))
+        self._last_attn: DeviceArray | None = None  # the last decode attention's output ("attn")
+        self._attn_key: tuple | None = None  # the act-cache key its matmul asked for
 
     # --- weights -------------------------------------------------------------------------
     def matrix(self, raw, ggml_type, shape, name) -> CudaWeight:
@@ -227,6 +230,8 @@ class CudaBackend:
         """x as int8 for w, learning which format the rmsnorm that produced x should emit."""
         if self._last_norm is not None and x is self._last_norm[0]:
             self._norm_keys[self._last_norm[1]] = (w.vec_dot_type, w.has_min, True)
+        if self._last_attn is not None and x is self._last_attn:
+            self._attn_key = (w.vec_dot_type, w.has_min, True)
         return self._activations(w, x, int8=True)
 
     def _uses_gemm(self, w: CudaWeight, n: int) -> bool:
@@ -395,16 +400,35 @@ class CudaBackend:
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         out = self._new(n, c.q_dim)
         scale = float(np.float32(1.0 / np.sqrt(c.head_dim)))
-        if self.attn == "split" and n == 1 and c.head_dim <= 256:
+        if self.attn == "split" and n == 1 and gqa_split_ok(c.n_head, c.n_head_kv, c.head_dim):
             nchunk = -(-self.n_ctx // ATTN_CHUNK)
-            scratch = (self._new(n, c.n_head, self.n_ctx), self._new(n, c.n_head, nchunk),
-                       self._new(n, c.n_head, nchunk, c.head_dim), *self._attn_stats)
-            self.k.attention_split(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, self.n_ctx,
-                                   scale, scratch, self.stream)
+            scratch = (self._new(c.n_head, self.n_ctx), self._new(c.n_head, nchunk),
+                       self._new(c.n_head, nchunk, c.head_dim), *self._attn_stats)
+            quant = self._attn_quant(out)
+            self.k.attention_gqa(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, self.n_ctx,
+                                 scale, scratch, self.stream, quant)
+            self._last_attn = out
             return out
         self.k.attention(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, self.n_ctx, scale,
                          self.stream)
         return out
+
+    def _attn_quant(self, out: DeviceArray) -> tuple | None:
+        """"attn": (xq, xd, xs, qmode) for the decode attention to quantize out as the matmul
+        that read its output last time asked (_int8_activations learns it), and that matmul's
+        act-cache entry; None while unknown or not fused."""
+        key = self._attn_key if "attn" in self.fuse else None
+        n, k = out.shape
+        qmode = 0
+        if key is not None and key[0] in (GGMLType.Q8_0, GGMLType.Q8_1):
+            qmode = 1
+        elif key is not None and key[0] == GGMLType.Q8_K and (k // self.cfg.n_head_kv) % 256 == 0:
+            qmode = 2
+        if not qmode:
+            return None
+        xq, xd, xs = self._new(n, k, dtype=np.int8), self._new(n, k // 32), self._new(n, k // 32)
+        self._act_cache = (out, key, (xq, (xd, xs)))
+        return xq, xd, xs, qmode
 
     def swiglu(self, gate: DeviceArray, up: DeviceArray) -> DeviceArray:
         self.flush()
@@ -444,9 +468,12 @@ class CudaBackend:
         self.v_cache = [self._new(n_ctx, cfg.kv_dim, dtype=np.float16) for _ in range(cfg.n_layers)]
         self._pending, self._last_norm, self._act_cache = None, None, None
         self._f16_cache, self._gemm_ws = None, None  # the slab is sized from this model's shapes
-        # split attention's per-head arrival counters (zero between launches), softmax max and sum
-        self._attn_stats = (upload(self.pool, np.zeros(cfg.n_head, np.uint32), self.stream),
+        # split attention's per-KV-head arrival counters of its two kernels (zero between
+        # launches), softmax max and sum per query head
+        self._attn_stats = (upload(self.pool, np.zeros(cfg.n_head_kv, np.uint32), self.stream),
+                            upload(self.pool, np.zeros(cfg.n_head_kv, np.uint32), self.stream),
                             self._new(cfg.n_head), self._new(cfg.n_head, dtype=np.float64))
+        self._last_attn, self._attn_key = None, None
         self.pos_buf = self._new(n_ctx, dtype=np.int32)
         self.ids_buf = self._new(n_ctx, dtype=np.int32)
         self._staged = None

@@ -6,6 +6,7 @@ are documented in the `.cu` files. Weight-type kernels are named `<op>_<type>` a
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -29,6 +30,8 @@ MATVEC_MAX_TOKENS = 8  # the _n8 variants
 ATTN_THREADS = 256
 ATTN_CHUNK = 64  # positions per block of the split (flash-decoding) attention, attention.cu
 ATTN_SPLIT_THREADS = 256
+ATTN_GQA_V = (2, 3, 4, 8)  # head_dim / 32 of the attn_gqa_* kernels
+ATTN_GMAX, ATTN_QMAX = 16, 4096  # query heads per KV head, and their values, the kernels hold
 # "fast" (default): matvec_fast.cu's dp4a kernels for FAST_TYPES, "staged" for the others;
 # "staged": blocks copied to shared memory with wide loads, float decode; "direct": byte loads
 MATVEC_VARIANTS = {"fast": "matvec", "staged": "matvec", "direct": "matvecd"}
@@ -51,6 +54,12 @@ def fast_rows() -> int:
         if d.startswith("-DNTX_FAST_WARPS="):
             return int(d.split("=", 1)[1])
     return FAST_ROWS_PER_BLOCK
+
+
+def gqa_split_ok(n_head: int, n_kv: int, head_dim: int) -> bool:
+    """Whether the attn_gqa_* decode kernels take this head layout (else the one-block kernel)."""
+    g = n_head // n_kv
+    return head_dim % 32 == 0 and head_dim // 32 in ATTN_GQA_V and g <= ATTN_GMAX and g * head_dim <= ATTN_QMAX
 
 
 def fast_matvec_ok(t: GGMLType, ptr: int, k: int) -> bool:
@@ -233,25 +242,34 @@ class Kernels:
 
     def attention(self, q, kc, vc, out, pos, n_head, n_kv, head_dim, n_ctx, scale, stream) -> None:
         n = q.shape[0]
-        threads = max(head_dim, ATTN_THREADS // head_dim * head_dim)
+        # whole warps (the block reductions) and whole heads (the p.V groups): head_dim 80 -> 160
+        unit = math.lcm(head_dim, 32)
+        if unit > 1024:
+            from ntx_common.errors import CudaError
+
+            raise CudaError(f"attention: head_dim {head_dim} needs blocks of {unit} threads (at most 1024)")
+        threads = unit * max(1, ATTN_THREADS // unit)
         smem = 32 * 8 + 4 * (32 + head_dim + threads + n_ctx)
         self._allow_smem("attention.cu", "attention", smem)
         self._go("attention.cu", "attention", (n_head, n), (threads,),
                  (q, kc, vc, out, pos, n_head, n_kv, head_dim, float(scale)), stream, smem)
 
-    def attention_split(self, q, kc, vc, out, pos, n_head, n_kv, head_dim, n_ctx, scale, scratch, stream) -> None:
-        """Split-K attention (attn_scores, attn_pv, attn_reduce); scratch = (scores (n, n_head,
-        n_ctx), cmax (n, n_head, nchunk), part (n, n_head, nchunk, head_dim) float32, counter
-        (n, n_head) uint32 that must start at zero (attn_scores leaves it so), gmax (n, n_head)
-        float32, gsum (n, n_head) float64)."""
-        n, nchunk = q.shape[0], _cdiv(n_ctx, ATTN_CHUNK)
-        scores, cmax, part, counter, gmax, gsum = scratch
-        grid, block = (n_head, nchunk, n), (ATTN_SPLIT_THREADS,)
-        self._go("attention.cu", "attn_scores", grid, block,
-                 (q, kc, scores, cmax, pos, n_head, n_kv, head_dim, n_ctx, float(scale), counter, gmax, gsum), stream)
-        self._go("attention.cu", "attn_pv", grid, block,
-                 (scores, gmax, gsum, vc, part, pos, n_head, n_kv, head_dim, n_ctx), stream)
-        self._go("attention.cu", "attn_reduce", (n_head, n), (head_dim,), (part, out, pos, n_head, head_dim, nchunk),
+    def attention_gqa(self, q, kc, vc, out, pos, n_head, n_kv, head_dim, n_ctx, scale, scratch, stream,
+                      quant=None) -> None:
+        """Split-K decode attention of one token, a block per (chunk, KV head) for the head's whole
+        GQA group (attn_gqa_scores, attn_gqa_pv; see gqa_split_ok). scratch = (scores (n_head,
+        n_ctx), cmax (n_head, nchunk), part (n_head, nchunk, head_dim) float32, two (n_kv) uint32
+        arrival counters that must start at zero (the kernels leave them so), gmax (n_head)
+        float32, gsum (n_head) float64). quant: (xq, xd, xs, qmode) to also quantize out for the
+        next matmul (qmode 1: Q8_0/Q8_1 blocks, 2: Q8_K), or None."""
+        nchunk = _cdiv(n_ctx, ATTN_CHUNK)
+        scores, cmax, part, count_s, count_p, gmax, gsum = scratch
+        xq, xd, xs, qmode = quant if quant is not None else (None, None, None, 0)
+        grid, block, v = (nchunk, n_kv), (ATTN_SPLIT_THREADS,), head_dim // 32
+        self._go("attention.cu", f"attn_gqa_scores_{v}", grid, block,
+                 (q, kc, scores, cmax, pos, n_head, n_kv, n_ctx, float(scale), count_s, gmax, gsum), stream)
+        self._go("attention.cu", f"attn_gqa_pv_{v}", grid, block,
+                 (scores, gmax, gsum, vc, part, out, pos, n_head, n_kv, n_ctx, count_p, xq, xd, xs, int(qmode)),
                  stream)
 
     def _allow_smem(self, source: str, name: str, smem: int) -> None:

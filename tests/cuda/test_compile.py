@@ -132,3 +132,18 @@ def test_missing_cublas_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(cuda.pathfinder, "load_nvidia_dynamic_lib", not_found)
     with pytest.raises(CudaError, match=r"ntx\[cuda\].*NTX_CUDA_GEMM=0"):
         cublas.load_library()
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_gqa_attention_kernels_present(arch):
+    """Both passes of the split decode attention for every head_dim the backend may pick
+    (cuda_kernels.ATTN_GQA_V), and the head layouts gqa_split_ok admits or sends elsewhere."""
+    from ntx_engine.backends.cuda_kernels import ATTN_GQA_V, gqa_split_ok
+
+    cubin, _ = cuda_nvrtc.compile_cubin("attention.cu", arch)
+    for v in ATTN_GQA_V:
+        for kernel in (f"attn_gqa_scores_{v}", f"attn_gqa_pv_{v}"):
+            assert kernel.encode() + b"\0" in cubin, f"{kernel} missing from the cubin"
+    assert gqa_split_ok(32, 8, 128) and gqa_split_ok(9, 3, 64) and gqa_split_ok(64, 8, 128)
+    assert not gqa_split_ok(32, 8, 80)  # head_dim not whole 32-value lanes
+    assert not gqa_split_ok(64, 2, 128)  # 32 query heads a KV head: more than the kernels hold

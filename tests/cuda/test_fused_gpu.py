@@ -149,6 +149,44 @@ def test_add_rmsnorm_quantize_in_one_kernel(cuda_backend, synth, fmt, n):
     assert _rel(res[0][1], NumpyBackend().rmsnorm(a + d, g, 1e-5)) < 1e-6
 
 
+@pytest.mark.parametrize("t", [T.Q4_K, T.Q8_0], ids=["q8_k", "q8_1"])
+@pytest.mark.parametrize("head_dim,n_head,n_head_kv", [(128, 32, 8), (64, 8, 2)])
+def test_decode_attention_quantizes_for_the_o_projection(cuda_backend, synth, t, head_dim, n_head, n_head_kv):
+    """"attn": once the o projection has asked for its activation format, the split decode
+    attention's last block quantizes the output itself (no quanti launch), and the attention
+    output and the matmul after it are bit-identical to the unfused kernels."""
+    from ntx_engine.backends.cuda_kernels import gqa_split_ok
+
+    assert gqa_split_ok(n_head, n_head_kv, head_dim)
+    cfg = ModelConfig(arch="llama", n_layers=1, n_embd=n_head * head_dim, n_ff=64, n_head=n_head,
+                      n_head_kv=n_head_kv, head_dim=head_dim, rope_dim=head_dim, rope_base=10000.0,
+                      rope_type="norm", rope_freq_scale=1.0, has_rope_freqs=False, rms_eps=1e-5,
+                      context_length=512, vocab_size=16, tied_embeddings=True, qkv_bias=False)
+    fused, plain = _backends(cfg, 200)
+    k = cfg.q_dim
+    (_, _, raw), = _weights(synth, [(t, 48)], k, 9)
+    rng = np.random.default_rng(head_dim)
+    steps = [(rng.standard_normal((n, cfg.q_dim)).astype(np.float32), rng.standard_normal((n, cfg.kv_dim)).astype(
+        np.float32), rng.standard_normal((n, cfg.kv_dim)).astype(np.float32)) for n in (70, 1, 1, 1)]
+    res = []
+    for b in (fused, plain):
+        w, start, outs, names = b.matrix(raw, t, (48, k), "wo"), 0, [], []
+        for q, kk, v in steps:
+            b.k.profile = []
+            o = b.attention(b.from_numpy(q), b.from_numpy(kk), b.from_numpy(v), 0, start)
+            y = b.matmul(w, o)
+            names.append([name for name, *_ in b.k.profile])
+            b.k.profile = None
+            outs += [b.to_numpy(o), b.to_numpy(y)]
+            start += q.shape[0]
+        res.append(outs)
+        if b is fused:  # step 1 learns the format, steps 2 and 3 use it
+            assert any(x.startswith("quanti") for x in names[1]), names[1]
+            assert not any(x.startswith("quanti") for x in names[2] + names[3]), names[2:]
+    for i, (got, want) in enumerate(zip(*res)):
+        assert np.array_equal(got, want), f"step {i // 2} {'matmul' if i % 2 else 'attention'} differs"
+
+
 CASES = [("tiny", "q8_0", 4), ("tiny", "q4_k_m", 4), ("smollm2-135m", "q4_1", 3)]
 
 
