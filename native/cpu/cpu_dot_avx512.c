@@ -118,6 +118,7 @@ ALWAYS_INLINE void q4k_body(int64_t k, const blk_q4_K *x, const uint8_t *act, in
     }
     for (int64_t b = 0; b < k / QK_K; b++) {
         struct q4k_unpacked u;
+        PREFETCH_BLOCK(nr, &x[b], sizeof(blk_q4_K));
         q4k_unpack(&x[b], pick, &u);
         #pragma GCC unroll 8
         for (int r = 0; r < nr; r++)
@@ -189,6 +190,7 @@ ALWAYS_INLINE void q6k_body(int64_t k, const blk_q6_K *x, const uint8_t *act, in
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < k / QK_K; b++) {
         struct q6k_unpacked u;
+        PREFETCH_BLOCK(nr, &x[b], sizeof(blk_q6_K));
         q6k_unpack(&x[b], pick, &u);
         #pragma GCC unroll 8
         for (int r = 0; r < nr; r++) q6k_row(&u, (const blk_q8_K *)(act + r * act_bytes) + b, &acc[r]);
@@ -214,6 +216,7 @@ ALWAYS_INLINE void q80_body(int64_t k, const blk_q8_0 *x, const uint8_t *act, in
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     int64_t nb = k / QK, b = 0;
     for (; b + 2 <= nb; b += 2) {
+        PREFETCH_BLOCK(nr, &x[b], 2 * sizeof(blk_q8_0));
         __m512i xv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)x[b].qs)),
                                         _mm256_loadu_si256((const __m256i *)x[b + 1].qs), 1);
         __mmask64 neg = _mm512_movepi8_mask(xv);
