@@ -209,10 +209,17 @@ ALWAYS_INLINE __m512i q8_pair(const blk_q8_0 *y, __m512i ax, __mmask64 neg) {
     return _mm512_dpbusd_epi32(_mm512_setzero_si512(), ax, v);
 }
 
+/* the fp16 scales of two consecutive Q8_0 blocks (34 bytes apart) as floats in lanes 0 and 1 */
+ALWAYS_INLINE __m128 q8_scales2(const blk_q8_0 *p) {
+    uint32_t h = (uint32_t)p[0].d | (uint32_t)p[1].d << 16;
+    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)h));
+}
+
 ALWAYS_INLINE void q80_body(int64_t k, const blk_q8_0 *x, const uint8_t *act, int64_t act_bytes,
                             int nr, float *out, int64_t out_stride) {
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     __m512 acc[NTX_DOTN_MAX];
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     int64_t nb = k / QK, b = 0;
     for (; b + 2 <= nb; b += 2) {
@@ -221,15 +228,16 @@ ALWAYS_INLINE void q80_body(int64_t k, const blk_q8_0 *x, const uint8_t *act, in
                                         _mm256_loadu_si256((const __m256i *)x[b + 1].qs), 1);
         __mmask64 neg = _mm512_movepi8_mask(xv);
         __m512i ax = _mm512_abs_epi8(xv);
-        float d0 = h2f(x[b].d), d1 = h2f(x[b + 1].d);
-        #pragma GCC unroll 8
+        __m128 xd = q8_scales2(&x[b]);
+#pragma GCC unroll 8
         for (int r = 0; r < nr; r++) {
             const blk_q8_0 *y = (const blk_q8_0 *)(act + r * act_bytes) + b;
-            __m512 d = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d0 * h2f(y[0].d)), _mm512_set1_ps(d1 * h2f(y[1].d)));
+            __m128 d2 = _mm_mul_ps(xd, q8_scales2(y));  /* x.d * y.d per block, as the scalar form */
+            __m512 d = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(d2));
             acc[r] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q8_pair(y, ax, neg)), acc[r]);
         }
     }
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int r = 0; r < nr; r++) {
         float s = hsum512(acc[r]);
         if (b < nb) {  /* an odd last block: scalar sum, exact */
