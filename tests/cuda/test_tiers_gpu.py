@@ -140,3 +140,36 @@ def test_hybrid_cpu_layers(model_file, resident):
         assert model.host_layers.boundaries > 0
     finally:
         model.source.close()
+
+
+def _decode_logits(path, vram, ram, steps=12):
+    from ntx_engine.backends.cuda_backend import CudaBackend
+
+    gf = GGUFFile.open(path)
+    cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
+    ecfg = EngineConfig(device="cuda", n_ctx=N_CTX, links=LINKS, vram_budget=vram, ram_budget=ram)
+    model = load_model(gf, cfg, CudaBackend(), ecfg)
+    prompt = np.arange(1, 20) * 89 % cfg.vocab_size
+    try:
+        tok, out = int(np.argmax(model.forward(prompt, 0, all_logits=True)[-1])), []
+        for i in range(steps):
+            logits = model.forward(np.asarray([tok]), len(prompt) + i)
+            out.append(logits)
+            tok = int(np.argmax(logits[-1]))
+        runs = getattr(model, "resident_runs", None)
+        return np.concatenate(out), (runs.replays if runs is not None else 0), model.plan
+    finally:
+        model.source.close()
+
+
+def test_resident_runs_replay_as_graphs_bit_for_bit(model_file, monkeypatch):
+    """A streamed model's run of resident layers decodes through a CUDA graph (cuda_runs.py)
+    from the second step on, with the logits of the kernel-by-kernel decode bit for bit."""
+    vram, ram = budget_with(model_file, 8), 1 << 40
+    graphs, replays, plan = _decode_logits(model_file, vram, ram)
+    assert replays == 12 - 1, f"{replays} replays: the first step warms up, every later one replays"
+    assert plan.layers_in("vram")[:8] == list(range(8)) and plan.streamed
+    monkeypatch.setenv("NTX_CUDA_RUN_GRAPHS", "0")
+    plain, replays_off, _ = _decode_logits(model_file, vram, ram)
+    assert replays_off == 0
+    np.testing.assert_array_equal(graphs, plain)
