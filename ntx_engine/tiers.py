@@ -23,6 +23,10 @@ READ_CHUNK = int(os.environ.get("NTX_READ_CHUNK_MB", 8)) << 20  # bytes per requ
 UNMEASURED = Links(vram=1e12, h2d=5e10, storage=1e9, storage_kind="auto", source="not measured")
 
 TIER_MODES = ("auto", "mmap-baseline")
+# CPUs the hybrid's host kernels leave to the copy feeder, the reader and Python: measured on the
+# H200 box (16 cores, 70B Q4_K_M under 24G, docs/hybrid.md) 13 threads decode 4.70 tok/s, 12
+# threads 4.47; all 16 collapse (FACTS.md: the copy thread loses its core)
+HOST_SPARE_CPUS = 3
 
 
 def mem_available(meminfo: str = "/proc/meminfo") -> int:
@@ -80,8 +84,8 @@ def plan_for(gf: Any, cfg: Any, backend: Any, ecfg: Any, n_ctx: int, *, measure_
 
 def host_backend(backend: Any, ecfg: Any) -> Any:
     """The backend that computes CPU-tier layers, or None. Auto: the native CPU kernels next
-    to a GPU, with cores - 4 threads (NTX_CPU_THREADS overrides): the I/O, copy and Python
-    threads need cores too, and DMA and CPU compute share DRAM (FACTS: 16 threads collapse)."""
+    to a GPU, with cores - HOST_SPARE_CPUS threads (NTX_CPU_THREADS overrides): the I/O, copy
+    and Python threads need cores too, and DMA and CPU compute share DRAM."""
     import os
 
     from ntx_engine.backends import make_backend
@@ -99,7 +103,7 @@ def host_backend(backend: Any, ecfg: Any) -> Any:
         return None
     from ntx_engine.backends.cpu_native import NativeCpuBackend
 
-    threads = int(os.environ.get("NTX_CPU_THREADS") or max(1, len(os.sched_getaffinity(0)) - 4))
+    threads = int(os.environ.get("NTX_CPU_THREADS") or max(1, len(os.sched_getaffinity(0)) - HOST_SPARE_CPUS))
     return NativeCpuBackend(kv_dtype=ecfg.kv_dtype, threads=threads)
 
 

@@ -42,7 +42,8 @@ def quantize(src: Path, dst: Path, variant: str, threads: int) -> None:
         raise SystemExit(f"llama_model_quantize {src.name} -> {variant} failed with {rc}")
 
 
-def build(src: Path, out: Path, sums: Path, threads: int, variants: tuple[str, ...] = ("Q4_1", *SMOLLM_VARIANTS)) -> int:
+def build(src: Path, out: Path, sums: Path, threads: int,
+          variants: tuple[str, ...] = ("Q4_1", *SMOLLM_VARIANTS)) -> int:
     want = dict(reversed(line.split()) for line in sums.read_text().splitlines() if line.strip())
     root = out / f"v{FIXTURE_VERSION}"
     models = root / "models"

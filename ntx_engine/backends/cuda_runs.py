@@ -1,5 +1,6 @@
-"""Decode through runs of VRAM-resident layers as CUDA graphs when the model also streams
-(tiers) or computes layers on the CPU (hybrid), where the whole step cannot be one graph.
+"""Decode through runs of VRAM-resident layers, and through each streamed layer, as CUDA graphs
+when the model also streams (tiers) or computes layers on the CPU (hybrid), where the whole step
+cannot be one graph.
 
 A decode step of such a model launches every kernel from Python (~0.5 ms a layer: about 20 ms a
 token for the 38 resident layers of a 70B model under 24 GB, while the CPU layers wait for them).
@@ -8,7 +9,10 @@ step (the first lets the fused ops learn their activation formats, as `cuda_grap
 warm-up does) and replayed on every later one: the hidden state is copied into the graph's input
 buffer, the position written to `pos_buf`, and the run's output comes back from the graph's own
 buffer. Runs are only replayed for passes that go through all of their layers in order (a
-speculative draft that skips some of them runs them one by one). NTX_CUDA_RUN_GRAPHS=0 turns this off.
+speculative draft that skips some of them runs them one by one). A streamed layer is one more
+such run, one graph per slot it is computed from (the key is the address of its first weight in
+the slot ring; the stream waits for that slot's copy before the launch, as before any kernel).
+NTX_CUDA_RUN_GRAPHS=0 turns all of this off; =resident keeps the resident runs only.
 """
 
 from __future__ import annotations
@@ -35,10 +39,10 @@ def resident_runs(tiers: list[str], min_len: int = 2) -> list[list[int]]:
 
 
 class _Run:
-    __slots__ = ("layers", "warm", "exec", "x_in", "x_out", "keep")
+    __slots__ = ("layers", "weights", "warm", "exec", "x_in", "x_out", "keep")
 
-    def __init__(self, layers: list[int]) -> None:
-        self.layers, self.warm, self.exec = layers, False, None
+    def __init__(self, layers: list[int], weights: Any = None) -> None:
+        self.layers, self.weights, self.warm, self.exec = layers, weights, False, None
         self.x_in = self.x_out = None
         self.keep: list = []
 
@@ -47,10 +51,12 @@ class ResidentRuns:
     """Installs itself as `model.forward` / `model.run_layer` (around what was there: the hybrid's
     HostLayers, or the Transformer's own)."""
 
-    def __init__(self, model: Any, runs: list[list[int]]) -> None:
+    def __init__(self, model: Any, runs: list[list[int]], streamed: frozenset = frozenset()) -> None:
         self.model, self.b = model, model.backend
         self.runs = {r[0]: _Run(r) for r in runs}
-        self.replays = 0  # graph launches since creation (tests check the path is taken)
+        self.streamed = streamed  # layers computed on the GPU from a slot: a graph per (layer, slot)
+        self.slot_runs: dict[tuple[int, int], _Run] = {}
+        self.replays = self.slot_replays = 0  # graph launches of resident runs / streamed layers
         self._order: list[int] = []
         self._skip_to = -1  # layers up to this one were computed by the last replayed graph
         self._forward, self._run_layer = model.forward, model.run_layer
@@ -65,6 +71,8 @@ class ResidentRuns:
         if i <= self._skip_to:
             return x  # inside the run the graph just computed
         run = self.runs.get(i)
+        if run is None and i in self.streamed and len(pos) == 1:
+            run = self._slot_run(i, lw)
         if run is None or len(pos) != 1 or not self._whole(run, i):
             return self._run_layer(i, lw, x, pos, start)
         x = self.model.settle(x)  # on the GPU (the run may follow CPU layers)
@@ -77,6 +85,14 @@ class ResidentRuns:
         self._replay(run, x, pos)
         self._skip_to = run.layers[-1]
         return run.x_out
+
+    def _slot_run(self, i: int, lw: Any) -> _Run | None:
+        """The one-layer run of streamed layer i over the slot its weights are in now."""
+        key = (i, int(lw.wq.data.ptr))
+        run = self.slot_runs.get(key)
+        if run is None:
+            run = self.slot_runs[key] = _Run([i], lw)
+        return run
 
     def _whole(self, run: _Run, i: int) -> bool:
         k = self._order.index(i) if i in self._order else -1
@@ -98,7 +114,7 @@ class ResidentRuns:
         try:
             y = run.x_in
             for j in run.layers:
-                y = self.model.block(j, source.resident[j], y, pos, start)
+                y = self.model.block(j, run.weights if run.weights is not None else source.resident[j], y, pos, start)
             b.flush()  # the run's last add belongs to the graph
             run.x_out = y
         finally:
@@ -116,15 +132,20 @@ class ResidentRuns:
         # the graph's buffers are rewritten by every replay: no cache may keep pointing into them
         b._act_cache = b._f16_cache = b._last_norm = b._pending = None
         b._last_attn = None
-        self.replays += 1  # (the pass's loop still acquires each layer: the per-tier bytes count it)
+        # (the pass's loop still acquires each layer: the per-tier bytes count it)
+        if run.weights is None:
+            self.replays += 1
+        else:
+            self.slot_replays += 1
 
 
 def install(model: Any, tiers: list[str]) -> ResidentRuns | None:
     """ResidentRuns over model when it decodes on CUDA with streamed or CPU layers, unless
     NTX_CUDA_RUN_GRAPHS=0; None when there is no run of resident layers to capture."""
-    if os.environ.get("NTX_CUDA_RUN_GRAPHS", "1") == "0" or model.cfg.is_moe:
-        return None
-    if not hasattr(model.source, "resident"):
+    mode = os.environ.get("NTX_CUDA_RUN_GRAPHS", "1")
+    if mode == "0" or model.cfg.is_moe or not hasattr(model.source, "resident"):
         return None
     runs = resident_runs(tiers)
-    return ResidentRuns(model, runs) if runs else None
+    streamed = frozenset(i for i, t in enumerate(tiers) if t in ("ram", "storage")) if mode != "resident" \
+        else frozenset()
+    return ResidentRuns(model, runs, streamed) if runs or streamed else None

@@ -157,19 +157,27 @@ def _decode_logits(path, vram, ram, steps=12):
             out.append(logits)
             tok = int(np.argmax(logits[-1]))
         runs = getattr(model, "resident_runs", None)
-        return np.concatenate(out), (runs.replays if runs is not None else 0), model.plan
+        return np.concatenate(out), ((runs.replays, runs.slot_replays) if runs is not None else (0, 0)), model.plan
     finally:
         model.source.close()
 
 
-def test_resident_runs_replay_as_graphs_bit_for_bit(model_file, monkeypatch):
+@pytest.mark.parametrize("mode", ["1", "resident"])
+def test_resident_runs_replay_as_graphs_bit_for_bit(model_file, monkeypatch, mode):
     """A streamed model's run of resident layers decodes through a CUDA graph (cuda_runs.py)
-    from the second step on, with the logits of the kernel-by-kernel decode bit for bit."""
+    from the second step on, and (mode 1) each streamed layer through a graph per slot from its
+    second visit to that slot on, with the logits of the kernel-by-kernel decode bit for bit."""
     vram, ram = budget_with(model_file, 8), 1 << 40
-    graphs, replays, plan = _decode_logits(model_file, vram, ram)
+    monkeypatch.setenv("NTX_CUDA_RUN_GRAPHS", mode)
+    graphs, (replays, slot_replays), plan = _decode_logits(model_file, vram, ram)
     assert replays == 12 - 1, f"{replays} replays: the first step warms up, every later one replays"
     assert plan.layers_in("vram")[:8] == list(range(8)) and plan.streamed
+    streamed = len(plan.layers_in("ram"))
+    if mode == "1":  # each (layer, slot) pair warms up once; there are at most slots x layers of them
+        assert slot_replays >= 12 * streamed - streamed * plan.n_slots, (slot_replays, streamed, plan.n_slots)
+    else:
+        assert slot_replays == 0
     monkeypatch.setenv("NTX_CUDA_RUN_GRAPHS", "0")
     plain, replays_off, _ = _decode_logits(model_file, vram, ram)
-    assert replays_off == 0
+    assert replays_off == (0, 0)
     np.testing.assert_array_equal(graphs, plain)
