@@ -327,7 +327,7 @@ def load_model(gf: GGUFFile, cfg: ModelConfig, backend, ecfg: EngineConfig,
         from ntx_engine.hybrid import HostLayers
 
         model.host_layers = HostLayers(model, host, cpu_layers)
-    if backend.name == "cuda" and plan.streamed:  # a CUDA graph per run of resident layers
+    if backend.name == "cuda" and plan.streamed and ecfg.tiers != "mmap-baseline":  # graphs per layer run
         from ntx_engine.backends.cuda_runs import install
 
         model.resident_runs = install(model, [p.tier for p in sorted(plan.placements, key=lambda p: p.layer)])
