@@ -143,6 +143,9 @@ class Engine:
             out["pipeline"] = stats.as_dict()
         if getattr(self.model, "offload", None) is not None:  # MoE experts: cache hits, bytes
             out["experts"] = self.model.offload.stats()
+        if plan.head_tier == "storage":  # embeddings/head read from storage (head_stream.py)
+            out["head_storage_bytes_since_load"] = self.model.w.output.bytes_read + (
+                0 if self.model.w.tok_embd is self.model.w.output else self.model.w.tok_embd.bytes_read)
         return out
 
     @property
@@ -201,7 +204,9 @@ class Engine:
     def _chunk(self) -> int:
         """Tokens per prefill pass: the backend's (CUDA: larger, so a streamed model is read
         fewer times per prompt; the planner reserves its activations) or PREFILL_CHUNK."""
-        return getattr(self.model.backend, "prefill_chunk", PREFILL_CHUNK)
+        chunk = getattr(self.model.backend, "prefill_chunk", PREFILL_CHUNK)
+        plan = getattr(self.model, "plan", None)
+        return min(chunk, plan.prefill_chunk) if plan is not None and plan.prefill_chunk else chunk
 
     def generate(self, prompt_ids: Sequence[int], max_tokens: int = 128,
                  sampler: SamplerConfig | None = None, stats: GenerationStats | None = None) -> Iterator[int]:

@@ -11,6 +11,8 @@ from ntx_common.errors import ModelError
 from ntx_engine.backends import base as ops
 from ntx_engine.backends.base import Backend
 from ntx_engine.config import ModelConfig
+from ntx_engine import head_stream
+from ntx_engine.head_stream import StreamedMatrix
 
 
 @dataclass
@@ -91,12 +93,16 @@ class WeightLoader:
         return LayerWeights(**mats, **self.layer_vectors(i))
 
     def load(self, progress: Callable[[int, int], None] | None = None,
-             layers: Sequence[int] | None = None) -> ModelWeights:
+             layers: Sequence[int] | None = None, head: tuple | None = None) -> ModelWeights:
         """Embeddings, head and the blocks in `layers` (default all); other blocks are None
-        (the streaming pipeline builds them in its slots)."""
+        (the streaming pipeline builds them in its slots). head: (tok_embd, output) to use
+        instead of loading them (head_stream.StreamedMatrix: read from storage every token)."""
         c = self.cfg
-        tok_embd = self.matrix("token_embd.weight", c.vocab_size, c.n_embd)
-        output = tok_embd if c.tied_embeddings else self.matrix("output.weight", c.vocab_size, c.n_embd)
+        if head is not None:
+            tok_embd, output = head
+        else:
+            tok_embd = self.matrix("token_embd.weight", c.vocab_size, c.n_embd)
+            output = tok_embd if c.tied_embeddings else self.matrix("output.weight", c.vocab_size, c.n_embd)
         wanted = set(range(c.n_layers) if layers is None else layers)
         out: list[LayerWeights | None] = []
         for i in range(c.n_layers):
@@ -115,9 +121,15 @@ class ResidentLayers:
 
     def __init__(self, layers: list[LayerWeights]) -> None:
         self.layers = layers
+        self.head_reader: Any = None  # the storage reader of a streamed head (tiers.build), closed with us
 
     def acquire(self, i: int) -> LayerWeights:
         return self.layers[i]
+
+    def close(self) -> None:
+        if self.head_reader is not None:
+            self.head_reader, reader = None, self.head_reader
+            reader.close()
 
     def release(self, i: int) -> None:
         pass
@@ -142,7 +154,7 @@ class Transformer:
         if start + len(ids) > self.n_ctx:
             raise ModelError(f"context length exceeded: {start + len(ids)} tokens > n_ctx {self.n_ctx}")
         pos = np.arange(start, start + len(ids))
-        x = b.embed(self.w.tok_embd, np.asarray(ids))
+        x = self.embed(np.asarray(ids))
         order = range(self.cfg.n_layers) if layers is None else layers
         if hasattr(self.source, "begin"):  # the streaming pipeline follows the pass's layer set
             self.source.begin(order)
@@ -180,9 +192,14 @@ class Transformer:
         b = self.backend
         return b.matmul(lw.w_down, ops.matmul_swiglu(b, lw.w_gate, lw.w_up, h))
 
+    def embed(self, ids: np.ndarray) -> Any:
+        return head_stream.embed(self.backend, self.w.tok_embd, ids)
+
     def head(self, x: Any, all_logits: bool) -> np.ndarray:
         b = self.backend
         if not all_logits:
             x = x[-1:]
         x = b.rmsnorm(x, self.w.output_norm, self.cfg.rms_eps)
+        if isinstance(self.w.output, StreamedMatrix):
+            return self.w.output.matmul(x)
         return b.to_numpy(b.matmul(self.w.output, x))

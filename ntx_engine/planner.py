@@ -30,6 +30,7 @@ DEFAULT_STAGING = 3  # pinned buffers the storage reader fills ahead of the copi
 VRAM_MARGIN = 512 * MiB  # CUDA context growth, allocator rounding; at most 1/16 of the budget
 RAM_MARGIN = 2 * GiB  # left to the OS and to this process's own heap
 PREFILL_CHUNK = 256
+TIGHT_CHUNK = 16  # CPU only, when the budget cannot hold a PREFILL_CHUNK pass's activations and logits
 
 
 class PlanError(UsageError):
@@ -128,6 +129,8 @@ class Plan:
     strategy: str
     head_bytes: int
     notes: list[str] = field(default_factory=list)
+    head_tier: str = "vram"  # "storage": CPU only, embeddings/head read every token (head_stream.py)
+    prefill_chunk: int | None = None  # tokens per prefill pass when the budget needs fewer than the default
 
     def tier_of(self, layer: int) -> str:
         return self.placements[layer].tier
@@ -156,8 +159,9 @@ class Plan:
         b = self.bytes_per_tier
         gpu = sum(b.values()) - b["cpu"] + self.head_bytes
         compute = gpu / self.links.vram + (b["cpu"] / self.links.cpu if b["cpu"] else 0.0)
+        head_read = self.head_bytes if self.head_tier == "storage" else 0
         return {"compute": compute, "h2d": (b["ram"] + b["storage"]) / self.links.h2d,
-                "storage": b["storage"] / self.links.storage}
+                "storage": (b["storage"] + head_read) / self.links.storage}
 
     @property
     def predicted_token_s(self) -> float:
@@ -176,7 +180,8 @@ class Plan:
         return {
             "strategy": self.strategy,
             "layers": [asdict(p) for p in self.placements],
-            "bytes_per_tier": self.bytes_per_tier, "head_bytes": self.head_bytes,
+            "bytes_per_tier": self.bytes_per_tier, "head_bytes": self.head_bytes, "head_tier": self.head_tier,
+            "prefill_chunk": self.prefill_chunk,
             "n_slots": self.n_slots, "slot_bytes": self.slot_bytes, "n_staging": self.n_staging,
             "budgets": asdict(self.budgets), "reserves": asdict(self.reserves),
             "links_gbps": {"vram": self.links.vram / 1e9, "h2d": self.links.h2d / 1e9,
@@ -216,9 +221,39 @@ def make_plan(spans: list[LayerSpan], head_bytes: int, cfg: ModelConfig, n_ctx: 
     if n_slots is not None and n_slots < MIN_SLOTS:
         raise UsageError(f"the slot ring needs at least {MIN_SLOTS} slots, got {n_slots}")
     ws = workspace_bytes(cfg, n_ctx) + extra_workspace
-    plans = [_place(order, name, spans, head_bytes, cfg, n_ctx, budgets, links, n_slots, n_staging, ws, hybrid)
-             for name, order in _orders(spans)]
+    try:
+        plans = [_place(order, name, spans, head_bytes, cfg, n_ctx, budgets, links, n_slots, n_staging, ws, hybrid)
+                 for name, order in _orders(spans)]
+    except PlanError:
+        if not budgets.unified or cfg.is_moe:
+            raise
+        return _tight(spans, head_bytes, cfg, n_ctx, budgets, links, n_slots, n_staging, extra_workspace, hybrid)
     return min(plans, key=lambda p: (round(p.predicted_token_s, 12), p.strategy != "model order"))
+
+
+def _tight(spans, head_bytes, cfg, n_ctx, budgets, links, n_slots, n_staging, extra_workspace, hybrid) -> Plan:
+    """CPU only, when the default reserves do not fit: prefill in TIGHT_CHUNK-token passes, then
+    (if still too big) the embeddings/head read from storage every token (head_stream.py)."""
+    from ntx_engine.head_stream import head_reserve
+
+    ws = workspace_bytes(cfg, n_ctx, TIGHT_CHUNK) + extra_workspace
+    for head_tier, head_ram in (("vram", head_bytes), ("storage", head_reserve(head_bytes))):
+        try:
+            plan = min((_place(order, name, spans, head_ram, cfg, n_ctx, budgets, links, n_slots, n_staging, ws,
+                               hybrid) for name, order in _orders(spans)),
+                       key=lambda p: (round(p.predicted_token_s, 12), p.strategy != "model order"))
+        except PlanError as exc:
+            if head_tier == "storage":  # the smallest configuration there is: its minimum is the one to name
+                raise PlanError(str(exc).replace("embeddings/head", "embeddings/head pieces (the table read from "
+                                                 f"storage every token, prefill in {TIGHT_CHUNK}-token passes)")) from None
+            continue
+        plan = dataclasses.replace(plan, head_bytes=head_bytes, head_tier=head_tier, prefill_chunk=TIGHT_CHUNK,
+                                   notes=list(plan.notes))
+        plan.notes.append(f"prefill in {TIGHT_CHUNK}-token passes to fit {fmt_bytes(budgets.vram)}")
+        if head_tier == "storage":
+            plan.notes.append(f"embeddings/head ({fmt_bytes(head_bytes)}) read from storage every token")
+        return plan
+    raise AssertionError("unreachable")
 
 
 def _orders(spans: list[LayerSpan]) -> list[tuple[str, list[int]]]:

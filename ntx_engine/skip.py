@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ntx_common.errors import ModelError, UsageError
+from ntx_engine.head_stream import embed
 
 PROFILE_FORMAT = "ntx-skip-profile/1"
 HASH_METHOD = "sha256(size, first 1 MiB, 16 x 64 KiB evenly spaced, last 1 MiB)"
@@ -148,7 +149,7 @@ def layer_similarity(model: Any, ids: Sequence[int], chunk: int = 256) -> np.nda
     for s in range(0, len(ids), chunk):
         part = np.asarray(ids[s:s + chunk])
         pos = np.arange(s, s + len(part))
-        x = b.embed(model.w.tok_embd, part)
+        x = embed(b, model.w.tok_embd, part)
         for i in range(n):
             lw = model.source.acquire(i)
             try:  # run_layer: a hybrid model computes its CPU-tier layers on the host there

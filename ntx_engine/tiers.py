@@ -141,9 +141,12 @@ def build(gf: Any, loader: WeightLoader, spans: list[LayerSpan], plan: Plan, *, 
     if mode not in TIER_MODES:
         raise UsageError(f"--tiers must be one of {', '.join(TIER_MODES)}, got {mode!r}")
     tiers = [p.tier for p in plan.placements]
-    weights = loader.load(progress, layers=plan.layers_in("vram"))
+    head, head_reader = _streamed_head(gf, loader, plan, reader, base_offset)
+    weights = loader.load(progress, layers=plan.layers_in("vram"), head=head)
     if not plan.streamed:
-        return weights, ResidentLayers(weights.layers)
+        resident_source = ResidentLayers(weights.layers)
+        resident_source.head_reader = head_reader
+        return weights, resident_source
     streamed = [i for i, t in enumerate(tiers) if t != "vram"]  # cpu layers stream for long prefills
     resident = {i: weights.layers[i] for i, t in enumerate(tiers) if t == "vram"}
     if mode == "mmap-baseline":
@@ -169,7 +172,34 @@ def build(gf: Any, loader: WeightLoader, spans: list[LayerSpan], plan: Plan, *, 
                              reader=reader, base_offset=base_offset, n_staging=plan.n_staging, source_size=size)
     source.pinned_buffers = keep  # the buffer objects own the pinned memory the views point into
     source.owned_reader = owned
+    source.head_reader = head_reader
     return weights, source
+
+
+def _streamed_head(gf: Any, loader: WeightLoader, plan: Plan, reader: Any, base_offset: int) -> tuple:
+    """((tok_embd, output) read from storage, the reader opened for them) when the plan leaves
+    the head on storage, else (None, None)."""
+    if plan.head_tier != "storage":
+        return None, None
+    from ntx_engine.head_stream import StreamedMatrix
+
+    owned = None
+    if reader is None and gf.reader is not None:
+        reader, base_offset = gf.reader, gf.base_offset
+    if reader is None:
+        from ntx_io.reader import open_reader
+
+        kind = plan.links.storage_kind
+        reader, _ = open_reader(gf.path, kind if kind in ("direct", "mmap") else "auto", workers=READ_WORKERS,
+                                chunk=READ_CHUNK, evict=True)
+        owned = reader
+    c, b = loader.cfg, loader.backend
+    for name, rows in (("token_embd.weight", c.vocab_size), ("output.weight", c.vocab_size)):
+        if name in gf.tensors:
+            loader._info(name, (rows, c.n_embd))  # the shape checks of a resident load
+    tok = StreamedMatrix(gf, "token_embd.weight", b, reader, base_offset)
+    out = tok if c.tied_embeddings else StreamedMatrix(gf, "output.weight", b, reader, base_offset)
+    return (tok, out), owned
 
 
 def _host_layers(loader: WeightLoader, spans: list[LayerSpan], pinned: dict[int, np.ndarray], host: Any) -> dict:

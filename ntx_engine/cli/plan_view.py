@@ -29,7 +29,8 @@ def render(plan: Plan, console) -> None:
     per_tier = plan.bytes_per_tier
     b = plan.budgets
     console.print("bytes per token: " + ", ".join(f"{t} {fmt_bytes(n)}" for t, n in per_tier.items())
-                  + f", embeddings/head {fmt_bytes(plan.head_bytes)} ({b.device_memory})")
+                  + f", embeddings/head {fmt_bytes(plan.head_bytes)} "
+                  + ("(storage, every token)" if plan.head_tier == "storage" else f"({b.device_memory})"))
     r = plan.reserves
     staging = f"staging {plan.n_staging} x {fmt_bytes(plan.slot_bytes)}"
     console.print(f"{b.device_memory} budget {fmt_bytes(b.vram)}: KV {fmt_bytes(r.kv_cache)}, workspaces "

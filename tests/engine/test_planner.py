@@ -134,7 +134,7 @@ def test_cpu_only_budget_holds_the_staging_buffers_too():
     includes them, and that figure plans."""
     import re
 
-    from ntx_engine.planner import DEFAULT_STAGING
+    from ntx_engine.planner import DEFAULT_STAGING, TIGHT_CHUNK
 
     c, sp, head, n_ctx = cfg(), spans([100 << 20] * 8), 50 << 20, 2048
     unified = dict(ram=0, device_memory="RAM (CPU only)", option="--ram-budget", unified=True)
@@ -147,7 +147,10 @@ def test_cpu_only_budget_holds_the_staging_buffers_too():
     plan = make_plan(sp, head, c, n_ctx, Budgets(vram=budget, **unified), LINKS)
     r = plan.reserves
     used = r.kv_cache + r.workspace + r.head + r.ring + r.vram_margin + r.staging + plan.bytes_per_tier["vram"]
-    assert plan.n_staging == DEFAULT_STAGING and used <= budget and not plan.notes
+    assert plan.n_staging == DEFAULT_STAGING and used <= budget
+    # the named minimum is that of the smallest configuration: 16-token prefill passes, head on storage
+    assert plan.head_tier == "storage" and plan.prefill_chunk == TIGHT_CHUNK and "read from storage" in msg
+    assert r.head < head and plan.terms["storage"] * LINKS.storage >= head
     # the same numbers as a GPU budget leave the staging outside it, with a note saying so
     gpu = make_plan(sp, head, c, n_ctx, Budgets(vram=budget, ram=0), LINKS)
     assert gpu.n_slots > plan.n_slots or gpu.bytes_per_tier["vram"] > plan.bytes_per_tier["vram"]
@@ -212,3 +215,27 @@ def test_hybrid_cpu_layers_need_ram():
     plan = make_plan(sp, 0, c, 1024, Budgets(vram=vram, ram=(3 + 5) * layer, margin=0), links)
     b = plan.bytes_per_tier
     assert b["cpu"] + b["ram"] <= 5 * layer and b["storage"] > 0
+
+
+def test_cpu_only_tight_budget_first_shrinks_the_prefill_pass_then_streams_the_head():
+    """CPU only, between the default minimum and the smallest one: first the prefill pass
+    shrinks to TIGHT_CHUNK tokens with the head still in RAM; only below that does the head go
+    to storage (its bytes then join the storage term of the predicted time)."""
+    from ntx_engine.planner import TIGHT_CHUNK, kv_cache_bytes, workspace_bytes
+
+    c, sp, head, n_ctx = cfg(), spans([8 << 20] * 8), 30 << 20, 256
+    unified = dict(ram=0, device_memory="RAM (CPU only)", option="--ram-budget", unified=True)
+    default_ws, tight_ws = workspace_bytes(c, n_ctx), workspace_bytes(c, n_ctx, TIGHT_CHUNK)
+    assert tight_ws < default_ws
+    # room for the head, the tight workspace, KV, a 2-slot ring + staging, but not the default workspace
+    budget = kv_cache_bytes(c, n_ctx) + tight_ws + head + 5 * (8 << 20) + (8 << 20)
+    budget = int(budget * 16 / 15) + (1 << 20)
+    assert budget < kv_cache_bytes(c, n_ctx) + default_ws + head + 5 * (8 << 20)
+    plan = make_plan(sp, head, c, n_ctx, Budgets(vram=budget, **unified), LINKS)
+    assert plan.prefill_chunk == TIGHT_CHUNK and plan.head_tier == "vram" and plan.reserves.head == head
+    smaller = make_plan(sp, head, c, n_ctx, Budgets(vram=budget - head + (4 << 20), **unified), LINKS)
+    assert smaller.head_tier == "storage" and smaller.reserves.head < head
+    assert smaller.terms["storage"] * LINKS.storage == pytest.approx(smaller.bytes_per_tier["storage"] + head)
+    # a GPU budget never takes this path: its error stays the plain one
+    with pytest.raises(PlanError, match="embeddings/head 30.00 MiB"):
+        make_plan(sp, head, c, n_ctx, Budgets(vram=budget - head + (4 << 20), ram=0), LINKS)

@@ -264,3 +264,46 @@ def test_cpu_only_ram_budget_streams_the_rest(smollm2_path, resident):
         assert list(eng.generate(resident["ids"], 8)) == resident["tokens"]
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", "numpy"])
+def test_cpu_only_40m_reads_the_head_from_storage(smollm2_path, resident, device):
+    """SmolLM2 under 40 MB (issue 8): the tied 28.7 MB embedding/head table cannot stay in RAM,
+    so the plan reads it from storage every token (two 1 MiB piece buffers instead) and
+    prefills in 16-token passes; greedy tokens equal the all-in-RAM run's on the same backend,
+    prefill logits too (row by row the same dot products), and the head's reads are counted."""
+    from ntx_engine.head_stream import HEAD_PIECE_BYTES, StreamedMatrix
+    from ntx_engine.planner import TIGHT_CHUNK, parse_size
+
+    ref = resident
+    if device == "numpy":  # the oracle backend's own all-in-RAM run
+        eng = Engine.load(smollm2_path, EngineConfig(device="numpy", n_ctx=N_CTX, links=LINKS))
+        ref = {"ids": resident["ids"], "logits": eng.logits(resident["ids"]),
+               "tokens": list(eng.generate(resident["ids"], 8))}
+        eng.close()
+    eng = Engine.load(smollm2_path, EngineConfig(device=device, n_ctx=N_CTX, links=LINKS,
+                                                 ram_budget=parse_size("40M")))
+    try:
+        plan = eng.plan()
+        assert plan.head_tier == "storage" and plan.prefill_chunk == TIGHT_CHUNK
+        assert plan.reserves.head == 2 * HEAD_PIECE_BYTES < plan.head_bytes
+        assert plan.reserves.vram + sum(p.nbytes for p in plan.placements if p.tier == "vram") <= parse_size("40M")
+        assert isinstance(eng.model.w.output, StreamedMatrix) and eng.model.w.output is eng.model.w.tok_embd
+        assert list(eng.generate(ref["ids"], 8)) == ref["tokens"]
+        read = eng.tier_stats()["head_storage_bytes_since_load"]
+        table = eng.model.w.output
+        assert read >= 8 * table.rows * table.row_bytes  # the whole table for each of the 8 tokens
+        logits = eng.logits(ref["ids"])
+        np.testing.assert_allclose(logits, ref["logits"], rtol=0, atol=1e-4)
+        assert (logits.argmax(-1) == ref["logits"].argmax(-1)).all()
+    finally:
+        eng.close()
+
+
+def test_cpu_only_budget_below_everything_names_the_minimum(smollm2_path):
+    """Even with the head on storage and 16-token passes a budget can be too small: the error
+    names the minimum and the option, as before."""
+    from ntx_engine.planner import PlanError, parse_size
+
+    with pytest.raises(PlanError, match=r"--ram-budget"):
+        Engine.load(smollm2_path, EngineConfig(device="cpu", n_ctx=N_CTX, links=LINKS, ram_budget=parse_size("12M")))
