@@ -153,7 +153,7 @@ def build(gf: Any, loader: WeightLoader, spans: list[LayerSpan], plan: Plan, *, 
         ring = make_ring(loader.backend, 1, plan.slot_bytes)
         return weights, MmapBaseline(gf, spans, tiers, ring, resident, SlotWeights(loader, spans, ring, streamed))
     ring = make_ring(loader.backend, plan.n_slots, plan.slot_bytes)
-    pinned, keep = _pin(gf, spans, ring, plan.layers_in("ram") + plan.layers_in("cpu"))
+    pinned, keep = _pin(gf, spans, ring, plan.layers_in("ram") + plan.layers_in("cpu"), set(plan.layers_in("cpu")))
     resident.update(_host_layers(loader, spans, {i: pinned[i] for i in plan.layers_in("cpu")}, host))
     size = 0
     if reader is None and gf.reader is not None:  # a staged raw device: its reader, its offsets
@@ -221,12 +221,18 @@ def _host_layers(loader: WeightLoader, spans: list[LayerSpan], pinned: dict[int,
     return out
 
 
-def _pin(gf: Any, spans: list[LayerSpan], ring: Any, layers: list[int]) -> tuple[dict[int, np.ndarray], list]:
+def _pin(gf: Any, spans: list[LayerSpan], ring: Any, layers: list[int],
+         cpu: set[int] = frozenset()) -> tuple[dict[int, np.ndarray], list]:
     """Copy RAM-tier spans into pinned host buffers once (the bytes then never touch the disk);
-    returns the per-layer views and the buffers that own them."""
+    returns the per-layer views and the buffers that own them. The `cpu` layers, which every
+    CPU worker reads, get their pages interleaved over the NUMA nodes (ntx_io.numa: on a
+    machine with several, or with NTX_NUMA=interleave); the others feed DMA and keep first touch."""
+    from ntx_io.numa import placement_nodes
+
+    nodes = placement_nodes() if cpu else None
     pinned, keep = {}, []
     for i in layers:
-        buf = ring.host_buffer(spans[i].nbytes)
+        buf = ring.host_buffer(spans[i].nbytes, numa_nodes=nodes if i in cpu else None)
         view = ring.host_view(buf)[: spans[i].nbytes]
         np.copyto(view, gf.span_data(spans[i].start, spans[i].end))
         pinned[i] = view

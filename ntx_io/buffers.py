@@ -59,12 +59,15 @@ def _address(mm: mmap.mmap) -> int:
     return address
 
 
-def _allocate(nbytes: int, hugepages: bool | None, lock: bool) -> tuple[mmap.mmap, bool]:
-    anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+def _allocate(nbytes: int, hugepages: bool | None, lock: bool,
+              numa_nodes: list[int] | None = None) -> tuple[mmap.mmap, bool]:
+    anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if numa_nodes is None:  # else the pages are touched after the policy is set (numa.interleave)
+        anon |= mmap.MAP_POPULATE
     if hugepages is not False:
         size = round_up(nbytes, HUGE_PAGE)
         try:
-            return mmap.mmap(-1, size, flags=anon | MAP_HUGETLB), True
+            return _placed(mmap.mmap(-1, size, flags=anon | MAP_HUGETLB), numa_nodes), True
         except OSError as exc:
             if hugepages:
                 raise NtxIOError(
@@ -72,7 +75,7 @@ def _allocate(nbytes: int, hugepages: bool | None, lock: bool) -> tuple[mmap.mma
                     f"{exc.strerror}); reserve more with `ntx-setup hugepages` or "
                     f"`echo N > /proc/sys/vm/nr_hugepages`") from None
     size = round_up(nbytes, PAGE)
-    mm = mmap.mmap(-1, size, flags=anon)
+    mm = _placed(mmap.mmap(-1, size, flags=anon), numa_nodes)
     if lock:
         try:
             _mlock(_address(mm), size)
@@ -82,19 +85,39 @@ def _allocate(nbytes: int, hugepages: bool | None, lock: bool) -> tuple[mmap.mma
     return mm, False
 
 
+def _placed(mm: mmap.mmap, numa_nodes: list[int] | None) -> mmap.mmap:
+    """mm with its pages interleaved over numa_nodes, then touched (MAP_POPULATE was left out
+    so the policy applies when they are first faulted in)."""
+    if numa_nodes is None:
+        return mm
+    from ntx_io import numa
+
+    try:
+        numa.interleave(_address(mm), len(mm), numa_nodes)
+    except NtxIOError:
+        mm.close()
+        raise
+    mm.madvise(mmap.MADV_WILLNEED)
+    for off in range(0, len(mm), PAGE):  # fault every page in now, under the policy
+        mm[off] = 0
+    return mm
+
+
 class PinnedBuffer:
     """`nbytes` of page-locked, page-aligned host memory.
 
     hugepages: None tries 2 MiB pages and falls back to locked 4 KiB pages; True requires
-    them; False never uses them. `view()`/`numpy()` expose the bytes; `close()` releases
+    them; False never uses them. numa_nodes: interleave the pages over these NUMA nodes. `view()`/`numpy()` expose the bytes; `close()` releases
     them and refuses while views are alive or a device may still write into them.
     """
 
-    def __init__(self, nbytes: int, *, hugepages: bool | None = None, lock: bool = True):
+    def __init__(self, nbytes: int, *, hugepages: bool | None = None, lock: bool = True,
+                 numa_nodes: list[int] | None = None):
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"PinnedBuffer size must be a positive int, got {nbytes!r}")
         self.nbytes = nbytes
-        self._mm, self.hugepages = _allocate(nbytes, hugepages, lock)
+        self.numa_nodes = numa_nodes  # pages interleaved over these nodes (ntx_io.numa), or first touch
+        self._mm, self.hugepages = _allocate(nbytes, hugepages, lock, numa_nodes)
         self.address = _address(self._mm)
         self.capacity = len(self._mm)
         self._devices: list = []  # NvmeDevice objects this buffer is DMA-mapped into

@@ -26,8 +26,8 @@ class CudaRing:
         self.drained: dict[int, Event] = {}
         self.copies = 0
 
-    def host_buffer(self, nbytes: int, reader=None):
-        return host_buffer(nbytes, reader, cuda=True, device=self.backend.device.ordinal)
+    def host_buffer(self, nbytes: int, reader=None, numa_nodes=None):
+        return host_buffer(nbytes, reader, cuda=True, device=self.backend.device.ordinal, numa_nodes=numa_nodes)
 
     def host_view(self, buf) -> np.ndarray:
         return host_view(buf)

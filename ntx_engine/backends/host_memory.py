@@ -11,14 +11,20 @@ import numpy as np
 from ntx_io.buffers import PinnedBuffer
 
 
-def host_buffer(nbytes: int, reader=None, *, cuda: bool, device: int = 0):
-    """A buffer of at least nbytes: a PinnedBuffer (VFIO reader or CUDA) or a numpy array."""
+def host_buffer(nbytes: int, reader=None, *, cuda: bool, device: int = 0, numa_nodes: list[int] | None = None):
+    """A buffer of at least nbytes: a PinnedBuffer (VFIO reader or CUDA) or a numpy array.
+    numa_nodes: its pages interleaved over these nodes (ntx_io.numa), set before any is touched."""
     huge = reader is not None and getattr(reader, "needs_hugepages", False)
     dma = reader is not None and getattr(reader, "name", "") == "vfio"  # zero copy: DMA lands here
     if not (huge or dma or cuda):
-        return np.empty(nbytes, np.uint8)
+        arr = np.empty(nbytes, np.uint8)  # large: fresh untouched pages, so the policy applies
+        if numa_nodes is not None:
+            from ntx_io import numa
+
+            numa.interleave(arr.ctypes.data, nbytes, numa_nodes)
+        return arr
     # cuMemHostRegister page-locks by itself: mlock (and its RLIMIT_MEMLOCK) only without CUDA
-    buf = PinnedBuffer(nbytes, hugepages=True if huge else None, lock=not cuda)
+    buf = PinnedBuffer(nbytes, hugepages=True if huge else None, lock=not cuda, numa_nodes=numa_nodes)
     if reader is not None:
         reader.register(buf)
     if cuda:

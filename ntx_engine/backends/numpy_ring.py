@@ -18,8 +18,8 @@ class NumpyRing:
         self.copies = 0
 
     # host memory ------------------------------------------------------------------------
-    def host_buffer(self, nbytes: int, reader=None):
-        return host_buffer(nbytes, reader, cuda=False)
+    def host_buffer(self, nbytes: int, reader=None, numa_nodes=None):
+        return host_buffer(nbytes, reader, cuda=False, numa_nodes=numa_nodes)
 
     def host_view(self, buf) -> np.ndarray:
         return host_view(buf)

@@ -59,6 +59,29 @@ def test_numpy_host_is_bit_exact(smollm2_path, resident):
         eng.close()
 
 
+def test_numa_interleaved_cpu_layers_compute_the_same(smollm2_path, resident, monkeypatch):
+    """NTX_NUMA=interleave (what a multi-node machine gets by default): the CPU-tier layers'
+    buffers have their pages interleaved over the online nodes before they are filled (the
+    kernel's own get_mempolicy says so), the RAM-tier ones keep first touch, and the logits
+    stay bit-identical to the all-resident run."""
+    from ntx_io import numa
+
+    monkeypatch.setenv("NTX_NUMA", "interleave")
+    eng = load(smollm2_path, vram_budget=110 * MiB, ram_budget=1 << 30, host_device="numpy")
+    try:
+        plan, src = eng.plan(), eng.model.source
+        cpu, ram = plan.layers_in("cpu"), plan.layers_in("ram")
+        assert cpu and ram
+        nodes = numa.online_nodes()
+        for i in cpu:
+            assert numa.policy_of(src.pinned[i].ctypes.data + numa.PAGE) == (numa.MPOL_INTERLEAVE, nodes), i
+        for i in ram:
+            assert numa.policy_of(src.pinned[i].ctypes.data + numa.PAGE)[0] != numa.MPOL_INTERLEAVE, i
+        np.testing.assert_array_equal(eng.logits(resident["ids"]), resident["logits"])
+    finally:
+        eng.close()
+
+
 def test_no_host_means_no_cpu_tier(smollm2_path):
     eng = load(smollm2_path, vram_budget=110 * MiB, ram_budget=1 << 30, host_device="none")
     try:
