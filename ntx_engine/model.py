@@ -121,14 +121,14 @@ class ResidentLayers:
 
     def __init__(self, layers: list[LayerWeights]) -> None:
         self.layers = layers
-        self.head_reader: Any = None  # the storage reader of a streamed head (tiers.build), closed with us
+        self.owned_reader: Any = None  # the storage reader of a streamed head (tiers.build), closed with us
 
     def acquire(self, i: int) -> LayerWeights:
         return self.layers[i]
 
     def close(self) -> None:
-        if self.head_reader is not None:
-            self.head_reader, reader = None, self.head_reader
+        if self.owned_reader is not None:
+            self.owned_reader, reader = None, self.owned_reader
             reader.close()
 
     def release(self, i: int) -> None:

@@ -115,11 +115,10 @@ class StreamingLayers:
                 except NtxIOError:  # a caller still holds weights over it: unregistered already,
                     pass  # the memory itself goes when the last view does
         self.ring.close()
-        for attr in ("owned_reader", "head_reader"):  # readers tiers.build opened for this model
-            owned = getattr(self, attr, None)
-            if owned is not None:
-                setattr(self, attr, None)
-                owned.close()
+        owned = getattr(self, "owned_reader", None)  # a reader tiers.build opened for this model
+        if owned is not None:
+            self.owned_reader = None
+            owned.close()
 
     def begin(self, layers) -> None:
         """Called at the start of every pass: when it streams a different set of layers than the

@@ -221,39 +221,43 @@ def make_plan(spans: list[LayerSpan], head_bytes: int, cfg: ModelConfig, n_ctx: 
     if n_slots is not None and n_slots < MIN_SLOTS:
         raise UsageError(f"the slot ring needs at least {MIN_SLOTS} slots, got {n_slots}")
     ws = workspace_bytes(cfg, n_ctx) + extra_workspace
+    args = (spans, cfg, n_ctx, budgets, links, n_slots, n_staging, hybrid)
     try:
-        plans = [_place(order, name, spans, head_bytes, cfg, n_ctx, budgets, links, n_slots, n_staging, ws, hybrid)
-                 for name, order in _orders(spans)]
+        return _fastest(*args, head_bytes, ws)
     except PlanError:
         if not budgets.unified or cfg.is_moe:
             raise
-        return _tight(spans, head_bytes, cfg, n_ctx, budgets, links, n_slots, n_staging, extra_workspace, hybrid)
-    return min(plans, key=lambda p: (round(p.predicted_token_s, 12), p.strategy != "model order"))
+    return _tight(args, head_bytes, workspace_bytes(cfg, n_ctx, TIGHT_CHUNK) + extra_workspace)
 
 
-def _tight(spans, head_bytes, cfg, n_ctx, budgets, links, n_slots, n_staging, extra_workspace, hybrid) -> Plan:
-    """CPU only, when the default reserves do not fit: prefill in TIGHT_CHUNK-token passes, then
-    (if still too big) the embeddings/head read from storage every token (head_stream.py)."""
+def _tight(args: tuple, head_bytes: int, ws: int) -> Plan:
+    """CPU only, when the default reserves do not fit: prefill in TIGHT_CHUNK-token passes (ws),
+    then, if still too big, the embeddings/head read from storage every token (head_stream.py)."""
     from ntx_engine.head_stream import head_reserve
 
-    ws = workspace_bytes(cfg, n_ctx, TIGHT_CHUNK) + extra_workspace
-    for head_tier, head_ram in (("vram", head_bytes), ("storage", head_reserve(head_bytes))):
+    head_tier = "vram"
+    try:
+        plan = _fastest(*args, head_bytes, ws)
+    except PlanError:
+        head_tier = "storage"
         try:
-            plan = min((_place(order, name, spans, head_ram, cfg, n_ctx, budgets, links, n_slots, n_staging, ws,
-                               hybrid) for name, order in _orders(spans)),
-                       key=lambda p: (round(p.predicted_token_s, 12), p.strategy != "model order"))
-        except PlanError as exc:
-            if head_tier == "storage":  # the smallest configuration there is: its minimum is the one to name
-                raise PlanError(str(exc).replace("embeddings/head", "embeddings/head pieces (the table read from "
-                                                 f"storage every token, prefill in {TIGHT_CHUNK}-token passes)")) from None
-            continue
-        plan = dataclasses.replace(plan, head_bytes=head_bytes, head_tier=head_tier, prefill_chunk=TIGHT_CHUNK,
-                                   notes=list(plan.notes))
-        plan.notes.append(f"prefill in {TIGHT_CHUNK}-token passes to fit {fmt_bytes(budgets.vram)}")
-        if head_tier == "storage":
-            plan.notes.append(f"embeddings/head ({fmt_bytes(head_bytes)}) read from storage every token")
-        return plan
-    raise AssertionError("unreachable")
+            plan = _fastest(*args, head_reserve(head_bytes), ws)
+        except PlanError as exc:  # the smallest configuration there is: its minimum is the one to name
+            raise PlanError(str(exc).replace("embeddings/head", "embeddings/head pieces (the table read from "
+                                             f"storage every token, prefill in {TIGHT_CHUNK}-token passes)")) from None
+    plan = dataclasses.replace(plan, head_bytes=head_bytes, head_tier=head_tier, prefill_chunk=TIGHT_CHUNK,
+                               notes=list(plan.notes))
+    plan.notes.append(f"prefill in {TIGHT_CHUNK}-token passes to fit {fmt_bytes(plan.budgets.vram)}")
+    if head_tier == "storage":
+        plan.notes.append(f"embeddings/head ({fmt_bytes(head_bytes)}) read from storage every token")
+    return plan
+
+
+def _fastest(spans, cfg, n_ctx, budgets, links, n_slots, n_staging, hybrid, head_bytes, ws) -> Plan:
+    """The placement of every layer order with the lowest predicted time (model order on ties)."""
+    plans = [_place(order, name, spans, head_bytes, cfg, n_ctx, budgets, links, n_slots, n_staging, ws, hybrid)
+             for name, order in _orders(spans)]
+    return min(plans, key=lambda p: (round(p.predicted_token_s, 12), p.strategy != "model order"))
 
 
 def _orders(spans: list[LayerSpan]) -> list[tuple[str, list[int]]]:

@@ -141,65 +141,65 @@ def build(gf: Any, loader: WeightLoader, spans: list[LayerSpan], plan: Plan, *, 
     if mode not in TIER_MODES:
         raise UsageError(f"--tiers must be one of {', '.join(TIER_MODES)}, got {mode!r}")
     tiers = [p.tier for p in plan.placements]
-    head, head_reader = _streamed_head(gf, loader, plan, reader, base_offset)
-    weights = loader.load(progress, layers=plan.layers_in("vram"), head=head)
+    need_reader = plan.head_tier == "storage" or (mode != "mmap-baseline" and bool(plan.layers_in("storage")))
+    reader, base_offset, owned = _storage_reader(gf, plan, reader, base_offset, need_reader)
+    weights = loader.load(progress, layers=plan.layers_in("vram"), head=_streamed_head(gf, loader, plan, reader,
+                                                                                        base_offset))
     if not plan.streamed:
-        resident_source = ResidentLayers(weights.layers)
-        resident_source.head_reader = head_reader
-        return weights, resident_source
-    streamed = [i for i, t in enumerate(tiers) if t != "vram"]  # cpu layers stream for long prefills
-    resident = {i: weights.layers[i] for i, t in enumerate(tiers) if t == "vram"}
-    if mode == "mmap-baseline":
+        source = ResidentLayers(weights.layers)
+    elif mode == "mmap-baseline":
+        streamed = [i for i, t in enumerate(tiers) if t != "vram"]
+        resident = {i: weights.layers[i] for i, t in enumerate(tiers) if t == "vram"}
         ring = make_ring(loader.backend, 1, plan.slot_bytes)
-        return weights, MmapBaseline(gf, spans, tiers, ring, resident, SlotWeights(loader, spans, ring, streamed))
-    ring = make_ring(loader.backend, plan.n_slots, plan.slot_bytes)
-    pinned, keep = _pin(gf, spans, ring, plan.layers_in("ram") + plan.layers_in("cpu"), set(plan.layers_in("cpu")))
-    resident.update(_host_layers(loader, spans, {i: pinned[i] for i in plan.layers_in("cpu")}, host))
-    size = 0
-    if reader is None and gf.reader is not None:  # a staged raw device: its reader, its offsets
-        reader, base_offset = gf.reader, gf.base_offset
-    owned = None
-    if plan.layers_in("storage") and reader is None:
-        from ntx_io.reader import open_reader
-
-        kind = plan.links.storage_kind
-        reader, _ = open_reader(gf.path, kind if kind in ("direct", "mmap") else "auto", workers=READ_WORKERS,
-                                chunk=READ_CHUNK, evict=True)  # storage means storage: not the page cache
-        owned = reader
-    if reader is not None:
-        size = reader.size
-    source = StreamingLayers(spans, tiers, ring, resident, pinned, SlotWeights(loader, spans, ring, streamed),
-                             reader=reader, base_offset=base_offset, n_staging=plan.n_staging, source_size=size)
-    source.pinned_buffers = keep  # the buffer objects own the pinned memory the views point into
-    source.owned_reader = owned
-    source.head_reader = head_reader
+        source = MmapBaseline(gf, spans, tiers, ring, resident, SlotWeights(loader, spans, ring, streamed))
+    else:
+        source = _streaming(gf, loader, spans, plan, weights, reader, base_offset, host)
+    source.owned_reader = owned  # a reader opened here: closed with the source
     return weights, source
 
 
-def _streamed_head(gf: Any, loader: WeightLoader, plan: Plan, reader: Any, base_offset: int) -> tuple:
-    """((tok_embd, output) read from storage, the reader opened for them) when the plan leaves
-    the head on storage, else (None, None)."""
+def _streaming(gf: Any, loader: WeightLoader, spans: list[LayerSpan], plan: Plan, weights: ModelWeights,
+               reader: Any, base_offset: int, host: Any) -> StreamingLayers:
+    tiers = [p.tier for p in plan.placements]
+    streamed = [i for i, t in enumerate(tiers) if t != "vram"]  # cpu layers stream for long prefills
+    resident = {i: weights.layers[i] for i, t in enumerate(tiers) if t == "vram"}
+    ring = make_ring(loader.backend, plan.n_slots, plan.slot_bytes)
+    pinned, keep = _pin(gf, spans, ring, plan.layers_in("ram") + plan.layers_in("cpu"), set(plan.layers_in("cpu")))
+    resident.update(_host_layers(loader, spans, {i: pinned[i] for i in plan.layers_in("cpu")}, host))
+    source = StreamingLayers(spans, tiers, ring, resident, pinned, SlotWeights(loader, spans, ring, streamed),
+                             reader=reader, base_offset=base_offset, n_staging=plan.n_staging,
+                             source_size=reader.size if reader is not None else 0)
+    source.pinned_buffers = keep  # the buffer objects own the pinned memory the views point into
+    return source
+
+
+def _storage_reader(gf: Any, plan: Plan, reader: Any, base_offset: int, needed: bool) -> tuple:
+    """(reader, base offset, the reader if opened here) for what the plan reads from storage: the
+    given one, a staged raw device's own, or (when needed) one opened on the file."""
+    if reader is None and gf.reader is not None:  # a staged raw device: its reader, its offsets
+        return gf.reader, gf.base_offset, None
+    if reader is not None or not needed:
+        return reader, base_offset, None
+    from ntx_io.reader import open_reader
+
+    kind = plan.links.storage_kind
+    reader, _ = open_reader(gf.path, kind if kind in ("direct", "mmap") else "auto", workers=READ_WORKERS,
+                            chunk=READ_CHUNK, evict=True)  # storage means storage: not the page cache
+    return reader, base_offset, reader
+
+
+def _streamed_head(gf: Any, loader: WeightLoader, plan: Plan, reader: Any, base_offset: int) -> tuple | None:
+    """(tok_embd, output) read from storage when the plan leaves the head there, else None."""
     if plan.head_tier != "storage":
-        return None, None
+        return None
     from ntx_engine.head_stream import StreamedMatrix
 
-    owned = None
-    if reader is None and gf.reader is not None:
-        reader, base_offset = gf.reader, gf.base_offset
-    if reader is None:
-        from ntx_io.reader import open_reader
-
-        kind = plan.links.storage_kind
-        reader, _ = open_reader(gf.path, kind if kind in ("direct", "mmap") else "auto", workers=READ_WORKERS,
-                                chunk=READ_CHUNK, evict=True)
-        owned = reader
     c, b = loader.cfg, loader.backend
-    for name, rows in (("token_embd.weight", c.vocab_size), ("output.weight", c.vocab_size)):
+    for name in ("token_embd.weight", "output.weight"):
         if name in gf.tensors:
-            loader._info(name, (rows, c.n_embd))  # the shape checks of a resident load
+            loader._info(name, (c.vocab_size, c.n_embd))  # the shape checks of a resident load
     tok = StreamedMatrix(gf, "token_embd.weight", b, reader, base_offset)
-    out = tok if c.tied_embeddings else StreamedMatrix(gf, "output.weight", b, reader, base_offset)
-    return (tok, out), owned
+    return tok, (tok if c.tied_embeddings else StreamedMatrix(gf, "output.weight", b, reader, base_offset))
 
 
 def _host_layers(loader: WeightLoader, spans: list[LayerSpan], pinned: dict[int, np.ndarray], host: Any) -> dict:
@@ -281,3 +281,7 @@ class MmapBaseline:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        owned = getattr(self, "owned_reader", None)  # the streamed head's reader, if tiers.build opened one
+        if owned is not None:
+            self.owned_reader = None
+            owned.close()

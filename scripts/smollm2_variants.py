@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from build_fixtures import FIXTURE_VERSION, SMOLLM_VARIANTS  # noqa: E402
+from build_fixtures import FIXTURE_VERSION, SMOLLM_VARIANTS, quantize  # noqa: E402
 
 
 def sha256(path: Path) -> str:
@@ -31,19 +31,7 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def quantize(src: Path, dst: Path, variant: str, threads: int) -> None:
-    import llama_cpp
-
-    p = llama_cpp.llama_model_quantize_default_params()
-    p.ftype = getattr(llama_cpp, "LLAMA_FTYPE_ALL_F32" if variant == "F32" else f"LLAMA_FTYPE_MOSTLY_{variant}")
-    p.allow_requantize, p.nthread = True, threads
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), p)
-    if rc != 0:
-        raise SystemExit(f"llama_model_quantize {src.name} -> {variant} failed with {rc}")
-
-
-def build(src: Path, out: Path, sums: Path, threads: int,
-          variants: tuple[str, ...] = ("Q4_1", *SMOLLM_VARIANTS)) -> int:
+def build(src: Path, out: Path, sums: Path, variants: tuple[str, ...] = ("Q4_1", *SMOLLM_VARIANTS)) -> int:
     want = dict(reversed(line.split()) for line in sums.read_text().splitlines() if line.strip())
     root = out / f"v{FIXTURE_VERSION}"
     models = root / "models"
@@ -55,7 +43,7 @@ def build(src: Path, out: Path, sums: Path, threads: int,
         if v == "Q4_1":
             shutil.copyfile(src, dst)
         else:
-            quantize(src, dst, v, threads)
+            quantize(src, dst, v)  # build_fixtures' own call, so the bytes are the fixture's
         ok = sha256(dst) == want.get(dst.name)
         bad += not ok
         print(f"{dst.name}: {dst.stat().st_size} bytes, sha256 {'matches' if ok else 'DIFFERS from'} the oracle's file")
@@ -75,7 +63,6 @@ def main() -> int:
     b.add_argument("src", type=Path)
     b.add_argument("out", type=Path)
     b.add_argument("sums", type=Path)
-    b.add_argument("--threads", type=int, default=16)
     b.add_argument("--variants", default=",".join(("Q4_1", *SMOLLM_VARIANTS)), help="comma list (default: all)")
     a = ap.parse_args()
     if a.cmd == "sums":
@@ -86,7 +73,7 @@ def main() -> int:
     unknown = set(variants) - {"Q4_1", *SMOLLM_VARIANTS}
     if unknown:
         ap.error(f"unknown variant(s) {sorted(unknown)}; known: Q4_1, {', '.join(SMOLLM_VARIANTS)}")
-    return build(a.src, a.out, a.sums, a.threads, variants)
+    return build(a.src, a.out, a.sums, variants)
 
 
 if __name__ == "__main__":

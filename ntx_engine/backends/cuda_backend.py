@@ -445,6 +445,13 @@ class CudaBackend:
             self.k.add(a, b, out, self.stream)
         return out
 
+    def forget_inputs(self) -> None:
+        """Drop every cache keyed by an array's identity (quantized or fp16 activations, the last
+        norm and attention outputs): a caller about to rewrite arrays in place (a graph replay
+        over its own buffers) makes them stale. Launches the held-back add first."""
+        self.flush()
+        self._act_cache = self._f16_cache = self._last_norm = self._last_attn = None
+
     def flush(self) -> None:
         """Launch the held-back add, if any. Every op but a fusing rmsnorm calls this first; code
         that launches kernels on this backend's arrays itself (through `self.k`) must too."""

@@ -129,9 +129,7 @@ class ResidentRuns:
         self._copy_in(run, x)
         b._stage_positions(pos)
         check(driver().cuGraphLaunch(run.exec, b.stream.handle), "cuGraphLaunch(resident run)")
-        # the graph's buffers are rewritten by every replay: no cache may keep pointing into them
-        b._act_cache = b._f16_cache = b._last_norm = b._pending = None
-        b._last_attn = None
+        b.forget_inputs()  # the graph's buffers are rewritten by every replay
         # (the pass's loop still acquires each layer: the per-tier bytes count it)
         if run.weights is None:
             self.replays += 1

@@ -23,7 +23,7 @@ def test_rebuilt_variants_match_the_fixture_files(oracle_manifest, tmp_path):
     assert r.returncode == 0, r.stderr
     sums.write_text(r.stdout)
     assert "smollm2-Q8_0.gguf" in r.stdout and "smollm2-Q4_K_M.gguf" in r.stdout
-    r = _run("build", models["smollm2-Q4_1"], tmp_path / "fx", sums, "--threads", "2", "--variants", "Q4_1,Q8_0,Q4_K_M")
+    r = _run("build", models["smollm2-Q4_1"], tmp_path / "fx", sums, "--variants", "Q4_1,Q8_0,Q4_K_M")
     assert r.returncode == 0, r.stdout + r.stderr
     manifest = json.loads((tmp_path / "fx" / "v2" / "manifest.json").read_text())
     assert set(manifest["models"]) == {"smollm2-Q4_1", "smollm2-Q8_0", "smollm2-Q4_K_M"}
