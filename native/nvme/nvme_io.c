@@ -162,10 +162,24 @@ static void complete(struct ntx_nvme *d, struct nx_slot *s, uint16_t code)
     }
 }
 
+/* Command s passed its deadline: count it, say which read, fence the device (every pending
+ * io fails with -ETIMEDOUT, s's own io included). Returns the error. */
+static int time_out(struct ntx_nvme *d, const struct nx_slot *s)
+{
+    d->stats.timeouts++;
+    int rc = nx_fail(d, ETIMEDOUT, "%s: read of LBA %llu..%llu timed out after %u us; the "
+                     "device is fenced (its buffers stay reserved) until reset()", d->bdf,
+                     (unsigned long long)s->lba, (unsigned long long)(s->lba + s->nlb - 1),
+                     d->opts.cmd_timeout_us);
+    nx_fence(d, -ETIMEDOUT);
+    return rc;
+}
+
 /* Consume new completion entries of every I/O queue; returns how many. */
 static uint32_t reap(struct ntx_nvme *d)
 {
     uint32_t total = 0;
+    uint64_t now = 0;
     for (uint32_t k = 0; k < d->nioq; k++) {
         struct nx_queue *q = &d->ioq[k];
         uint32_t n = 0;
@@ -183,6 +197,10 @@ static uint32_t reap(struct ntx_nvme *d)
             n++;
             if (cid >= q->depth || !q->slots[cid].busy)
                 continue; /* not ours (stale after a reset): ignore */
+            if (!now)
+                now = nx_now_ns();
+            if (q->slots[cid].batch && now > q->slots[cid].deadline_ns)
+                time_out(d, &q->slots[cid]); /* seen late: a timeout, however the poller ran */
             complete(d, &q->slots[cid], (uint16_t)(NVME_CQE_SCT(st) << 8 | NVME_CQE_SC(st)));
             q->slots[cid] = (struct nx_slot){ 0 };
             q->free_cids[q->nfree++] = cid;
@@ -229,13 +247,7 @@ static int check_deadlines(struct ntx_nvme *d, uint64_t now)
             const struct nx_slot *s = &q->slots[c];
             if (!s->busy || !s->batch || now < s->deadline_ns)
                 continue;
-            d->stats.timeouts++;
-            rc = nx_fail(d, ETIMEDOUT, "%s: read of LBA %llu..%llu timed out after %u us; the "
-                         "device is fenced (its buffers stay reserved) until reset()", d->bdf,
-                         (unsigned long long)s->lba, (unsigned long long)(s->lba + s->nlb - 1),
-                         d->opts.cmd_timeout_us);
-            nx_fence(d, -ETIMEDOUT);
-            return rc;
+            return time_out(d, s);
         }
     }
     return 0;
@@ -287,9 +299,10 @@ int ntx_nvme_batch_open(struct ntx_nvme *d, struct ntx_nvme_io *ios, uint32_t n,
     return 0;
 }
 
-/* How often the wait loop looks at deadlines: every millisecond, or twice per deadline when
- * commands get less than 2 ms (otherwise a short deadline could pass unnoticed while every
- * command completes before the first look). */
+/* How often the wait loop looks at deadlines of commands still in flight: every millisecond,
+ * or twice per deadline when commands get less than 2 ms. A completion seen after its
+ * command's deadline is a timeout as well (reap), so a short deadline is caught even when
+ * every command completes before the first look. */
 static uint64_t check_interval_ns(const struct ntx_nvme *d)
 {
     uint64_t half = (uint64_t)d->opts.cmd_timeout_us * 500ull;

@@ -199,7 +199,8 @@ def _read_digest(dev, buf, lba: int, nlb: int) -> tuple:
 @check("fence")
 def fence(nsze: int) -> dict:
     """A 1 us command deadline: a 32 MiB batch times out, the device is fenced (no new reads,
-    the buffer cannot be released), reset() ends the fence, and reads are right again."""
+    the buffer cannot be released), reset() ends the fence; a one-block read times out too,
+    whenever the poller sees its completion; after reset() reads are right again."""
     steps = {}
     with open_device(cmd_timeout=1e-6) as dev:
         buf = pinned(32 << 20)
@@ -210,6 +211,11 @@ def fence(nsze: int) -> dict:
         steps["release_while_fenced"] = _error_of(buf.close)
         dev.reset()
         steps["fenced_after_reset"] = dev.fenced
+        # one 512-byte command completes long before the poller's first deadline look: seen
+        # after its deadline, it is a timeout all the same
+        steps["small_timeout"] = _error_of(lambda: dev.read(0, 1, buf))
+        steps["small_fenced"] = dev.fenced
+        dev.reset()
         steps["timeouts"] = dev.stats()["timeouts"]
     with open_device() as dev:  # reopen with a sane deadline: data must be right
         dev.map(buf)

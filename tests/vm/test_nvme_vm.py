@@ -160,7 +160,8 @@ def test_out_of_range_reads_are_refused_with_the_lba_range(run, disk):
 def test_a_timeout_fences_the_device_until_reset(run, disk):
     f = run["fence"]
     assert f["timeout"]["errno"] == 110 and "fenced" in f["timeout"]["message"]
-    assert f["fenced"] and f["timeouts"] == 1
+    assert f["fenced"] and f["timeouts"] == 2
+    assert f["small_timeout"]["errno"] == 110 and f["small_fenced"]
     assert "fenced" in f["read_while_fenced"]["message"]
     assert f["release_while_fenced"]["errno"] == 16 and "reset()" in f["release_while_fenced"]["message"]
     assert f["fenced_after_reset"] is False and f["buffer_closed"]
