@@ -25,9 +25,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# type: (ggml id, bytes per 256 values, byte offsets of the fp16 scales inside a block, block bytes)
+# type: (ggml id, bytes per 256 values, byte offsets of the fp16 scales inside a block, block bytes);
+# the float types' "block" is one value, all of it "scale": every value is then a small normal
+# number (random bits would hold NaNs and denormals, which some CPUs compute slowly)
 TYPES = {"q4_k": (12, 144, (0, 2), 144), "q6_k": (14, 210, (208,), 210), "q8_0": (8, 272, (0,), 34),
-         "q5_k": (13, 176, (0, 2), 176), "q4_0": (2, 144, (0,), 18)}
+         "q5_k": (13, 176, (0, 2), 176), "q4_0": (2, 144, (0,), 18), "q4_1": (3, 160, (0, 2), 20),
+         "q5_0": (6, 176, (0,), 22), "q5_1": (7, 192, (0, 2), 24), "q2_k": (10, 84, (80, 82), 84),
+         "q3_k": (11, 110, (108,), 110), "f16": (1, 512, (0,), 2), "bf16": (30, 512, (0,), 2),
+         "f32": (0, 1024, (0, 2), 4)}
 SHAPE = (14336, 4096)  # a 70B/8B FFN matrix
 FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx_vnni",
          "avx512_bf16", "amx_int8", "amx_tile")

@@ -252,36 +252,14 @@ ALWAYS_INLINE void q80_body(int64_t k, const blk_q8_0 *x, const uint8_t *act, in
 
 /* ---------------------------------------------------------------------------- tables */
 
-/* one body per type, instantiated for every row count so nr is a constant in each copy */
-#define DOT_FNS(name, body, blk)                                                              \
-    static float name##_1(int64_t k, const void *w, const void *a) {                          \
-        float o;                                                                              \
-        body(k, (const blk *)w, a, 0, 1, &o, 0);                                              \
-        return o;                                                                             \
-    }                                                                                         \
-    static void name##_n(int64_t k, const void *w, const void *a, int64_t ab, int n, float *o, \
-                         int64_t os) {                                                        \
-        switch (n) {                                                                          \
-        case 1: body(k, (const blk *)w, a, ab, 1, o, os); break;                              \
-        case 2: body(k, (const blk *)w, a, ab, 2, o, os); break;                              \
-        case 3: body(k, (const blk *)w, a, ab, 3, o, os); break;                              \
-        default: body(k, (const blk *)w, a, ab, 4, o, os); break;                             \
-        }                                                                                     \
-    }
-
-DOT_FNS(z_q4_k, q4k_body, blk_q4_K)
-DOT_FNS(z_q6_k, q6k_body, blk_q6_K)
-DOT_FNS(z_q8_0, q80_body, blk_q8_0)
-
-_Static_assert(NTX_DOTN_MAX == 4, "DOT_FNS instantiates row counts 1-4");
+NTX_DOTN(z_q4_k, q4k_body, blk_q4_K)
+NTX_DOTN(z_q6_k, q6k_body, blk_q6_K)
+NTX_DOTN(z_q8_0, q80_body, blk_q8_0)
 
 void ntx_kernels_fill_avx512(struct ntx_kernels *kt) {
-    kt->dot[T_Q4_K] = z_q4_k_1;
-    kt->dotn[T_Q4_K] = z_q4_k_n;
-    kt->dot[T_Q6_K] = z_q6_k_1;
-    kt->dotn[T_Q6_K] = z_q6_k_n;
-    kt->dot[T_Q8_0] = z_q8_0_1;
-    kt->dotn[T_Q8_0] = z_q8_0_n;
+    kt->dotn[T_Q4_K] = z_q4_k;
+    kt->dotn[T_Q6_K] = z_q6_k;
+    kt->dotn[T_Q8_0] = z_q8_0;
 }
 #pragma GCC pop_options
 #else

@@ -129,19 +129,33 @@ static inline void q3_k_scales(const uint8_t *sc, int8_t out[16]) {
                 __builtin_prefetch((const char *)(p) + PF_AHEAD + pf_, 0, 3);                 \
     } while (0)
 
-/* one weight row (k values) . one activation row in the vec_dot format -> float */
-typedef float (*ntx_dot_fn)(int64_t k, const void *w, const void *act);
-
-/* one weight row . n <= NTX_DOTN_MAX activation rows (act_bytes apart) -> out[r * out_stride],
-   reading the weight blocks once; each row's value is bit-identical to ntx_dot_fn's */
+/* one weight row (k values) . n <= NTX_DOTN_MAX activation rows in the vec_dot format
+   (act_bytes apart) -> out[r * out_stride], reading the weight blocks once. Decode is n = 1. */
 #define NTX_DOTN_MAX 4
 typedef void (*ntx_dotn_fn)(int64_t k, const void *w, const void *act, int64_t act_bytes, int n,
                             float *out, int64_t out_stride);
 
 struct ntx_kernels {
-    ntx_dot_fn dot[T_COUNT];
-    ntx_dotn_fn dotn[T_COUNT];  /* NULL: the matmul calls dot once per activation row */
+    ntx_dotn_fn dotn[T_COUNT];  /* NULL: the type is not supported */
 };
+
+/* A kernel exists once, as a multi-row body `body(k, w, act, act_bytes, nr, out, out_stride)`
+   (always_inline, nr <= NTX_DOTN_MAX), instantiated by NTX_DOTN for each row count with a
+   constant nr: a row's integer sums and float operations, order included, do not depend on how
+   many rows share the pass, so n rows give n one-row results bit for bit. */
+#define NTX_DOTN(name, body, wtype)                                                            \
+    static void name(int64_t k, const void *w, const void *a, int64_t ab, int n, float *o,     \
+                     int64_t os) {                                                             \
+        const uint8_t *a8 = a;                                                                 \
+        switch (n) {                                                                           \
+        case 1: body(k, (const wtype *)w, a8, ab, 1, o, os); break;                            \
+        case 2: body(k, (const wtype *)w, a8, ab, 2, o, os); break;                            \
+        case 3: body(k, (const wtype *)w, a8, ab, 3, o, os); break;                            \
+        default: body(k, (const wtype *)w, a8, ab, 4, o, os); break;                           \
+        }                                                                                      \
+    }
+
+_Static_assert(NTX_DOTN_MAX == 4, "NTX_DOTN instantiates row counts 1-4");
 
 extern const struct ntx_kernels ntx_kernels_portable;
 void ntx_kernels_fill_avx2(struct ntx_kernels *kt);

@@ -77,8 +77,7 @@ NTX_EXPORT int ntx_cpu_multi_row(int weight_type) {
 #define MAX_MANY 8 /* weights sharing one activation per call (q, k, v; gate, up) */
 
 struct mm_part {
-    ntx_dot_fn dot;
-    ntx_dotn_fn dotn;     /* NULL: dot once per activation row */
+    ntx_dotn_fn dotn;     /* 1..NTX_DOTN_MAX activation rows per call */
     const uint8_t *w;     /* (rows, row_bytes) raw blocks */
     const uint8_t *act;   /* (n, act_bytes) quantized activations */
     int64_t row_bytes, act_bytes, rows, first;  /* first: its offset in the job's row space */
@@ -98,11 +97,6 @@ struct mm_job {
    blocks once per NTX_DOTN_MAX activation rows (each value bit-identical to dot's) */
 static void dot_rows(const struct mm_job *j, const struct mm_part *m, const uint8_t *w, int64_t t0,
                      int64_t t1, float *out, int64_t out_stride) {
-    if (!m->dotn) {
-        for (int64_t t = t0; t < t1; t++)
-            out[(t - t0) * out_stride] = m->dot(j->k, w, m->act + t * m->act_bytes);
-        return;
-    }
     for (int64_t t = t0; t < t1; t += NTX_DOTN_MAX) {
         int nt = t1 - t < NTX_DOTN_MAX ? (int)(t1 - t) : NTX_DOTN_MAX;
         m->dotn(j->k, w, m->act + t * m->act_bytes, m->act_bytes, nt, out + (t - t0) * out_stride, out_stride);
@@ -160,9 +154,8 @@ static int mm_prepare(struct mm_job *j, int count, const int *types, const void 
         struct mm_part *m = &j->part[i];
         int block, bytes, t = types[i];
         m->act_bytes = ntx_cpu_act_row_bytes(t, j->k);
-        if (m->act_bytes < 0 || !ws[i] || rows[i] <= 0 || !ntx_type_block(t, &block, &bytes) || !kt->dot[t])
+        if (m->act_bytes < 0 || !ws[i] || rows[i] <= 0 || !ntx_type_block(t, &block, &bytes) || !kt->dotn[t])
             return -EINVAL;
-        m->dot = kt->dot[t];
         m->dotn = kt->dotn[t];
         m->w = ws[i];
         m->row_bytes = j->k / block * bytes;

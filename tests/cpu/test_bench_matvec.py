@@ -43,3 +43,30 @@ def test_matvec_subcommand_reports_every_configuration(tmp_path):
     assert m["flags"]["avx2"] == ("avx2" in Path("/proc/cpuinfo").read_text().split())
     assert [p["threads"] for p in doc["pool"]] == [1, 2]
     assert all(p["rows_8_us"] > 0 and p["rows_512_us"] > p["rows_8_us"] for p in doc["pool"])
+
+
+def test_float_weight_sets_hold_normal_numbers(monkeypatch):
+    """F16/BF16/F32 matrices are timed on small normal values, not on random bits (NaNs and
+    denormals run slower on some CPUs), and the quantized sets keep finite fp16 scales."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_matvec
+
+    monkeypatch.setattr(bench_matvec, "SHAPE", (8, 512))
+    buf = np.random.default_rng(5).integers(0, 256, 8 * 512 * 4 * 3, dtype=np.uint8)
+    as_f32 = {"f16": lambda m: m.view(np.float16).astype(np.float32), "f32": lambda m: m.view(np.float32),
+              "bf16": lambda m: (m.view(np.uint16).astype(np.uint32) << 16).view(np.float32)}
+    for name, conv in as_f32.items():
+        _, mats, nbytes = bench_matvec.weight_set(name, 1, buf)
+        assert nbytes == 8 * 512 * bench_matvec.TYPES[name][1] // 256
+        vals = conv(mats[0])
+        tiny = np.finfo(np.float16 if name == "f16" else np.float32).tiny
+        assert vals.size == 8 * 512
+        assert np.isfinite(vals).all() and (np.abs(vals) >= tiny).all(), name
+    for name in ("q5_0", "q5_1", "q2_k", "q3_k", "q4_1"):
+        _, mats, _ = bench_matvec.weight_set(name, 1, buf)
+        _, _, offs, blk = bench_matvec.TYPES[name]
+        blocks = mats[0].reshape(-1, blk)
+        for off in offs:
+            assert np.isfinite(blocks[:, off:off + 2].copy().view(np.float16)).all(), (name, off)

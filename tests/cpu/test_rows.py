@@ -1,10 +1,11 @@
 """Multi-row matmul (prefill chunks, the speculative verify pass) against the one-row path.
 
-The SIMD kernels read each weight block once for up to 4 activation rows (`dotn`); a row's
-value must not depend on how many rows shared the pass, so every oracle test of the one-row
-dot keeps its meaning. Checked bit for bit, for every type and every SIMD level this CPU has,
-for n = 1..9 (two full 4-row groups and a remainder), on matmul, matmul_many and the fused
-gate/up SwiGLU. The one-row reference is the same C entry point called with n = 1.
+Every kernel table (portable C, avx2, avx512vnni, avx512) has a multi-row kernel (`dotn`) for
+every weight type: it reads each weight block once for up to 4 activation rows. A row's value
+must not depend on how many rows shared the pass, so every oracle test of the one-row dot keeps
+its meaning. Checked bit for bit, for every type and every SIMD level this CPU has, for
+n = 1..9 (two full 4-row groups and a remainder), on matmul, matmul_many and the fused gate/up
+SwiGLU. The one-row reference is the same C entry point called with n = 1.
 """
 
 from __future__ import annotations
@@ -37,7 +38,15 @@ def _diff(a: np.ndarray, b: np.ndarray) -> str:
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_every_type_has_a_multi_row_kernel(kernels, simd, t):
+    """No type on any level goes row by row (else the tests below would compare that loop with
+    itself and a 4-row pass would read the weights 4 times)."""
+    assert kernels.has_multi_row(t), f"{t.name} has no multi-row kernel on {simd}"
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_n_rows_equal_one_row_bit_for_bit(kernels, simd, t):
+    assert kernels.has_multi_row(t)
     rng = np.random.default_rng(300 + int(t))
     rows, k = 13, _k_for(t)
     w = kernels.weight(t, random_blocks(t, rows * k, rng).reshape(-1), rows, k, "w")
@@ -48,7 +57,7 @@ def test_n_rows_equal_one_row_bit_for_bit(kernels, simd, t):
         assert got.tobytes() == single[:n].tobytes(), f"n={n}: " + _diff(got, single[:n])
 
 
-@pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_many_and_swiglu_n_rows_equal_one_row(kernels, simd, t):
     """The fused entry points take the same multi-row path: q/k/v of mixed types, gate/up."""
     rng = np.random.default_rng(400 + int(t))
@@ -67,11 +76,6 @@ def test_many_and_swiglu_n_rows_equal_one_row(kernels, simd, t):
     assert fused.tobytes() == single.tobytes(), "swiglu: " + _diff(fused, single)
 
 
-def test_multi_row_kernels_present_on_the_best_level(kernels):
-    """Where this CPU has the 512-bit table, the types it claims go through it (else the
-    test above would only have compared the fallback loop with itself)."""
-    if kernels.supported_simd() != "avx512":
-        pytest.skip(f"this CPU's best table is {kernels.supported_simd()}, not avx512")
-    assert kernels.simd == "avx512"
-    for t in (T.Q4_K, T.Q6_K, T.Q8_0):
-        assert kernels.has_multi_row(t), f"{t.name} has no multi-row kernel on avx512"
+def test_unknown_type_has_no_multi_row_kernel(kernels):
+    """The table lookup answers per type: Q8_K (an activation format) is no weight type."""
+    assert not kernels.has_multi_row(T.Q8_K)
