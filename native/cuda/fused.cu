@@ -26,7 +26,7 @@ template <int N>
 __device__ void matvec_multi(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, float* Y0, float* Y1,
                              float* Y2, int r0, int r1, int r2, int ty0, int ty1, int ty2, const int8_t* xq,
                              const float* xd, const float* xs, int k, int n) {
-    __shared__ __align__(16) uint8_t stage[NTX_FAST_WARPS][NTX_FAST_STAGE];
+    __shared__ __align__(16) uint8_t stage[NTX_FAST_WARPS][NTX_STAGES * NTX_FAST_STAGE];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int row = blockIdx.x * NTX_FAST_WARPS + warp, rows = r0, ty = ty0;
     const uint8_t* W = W0;
@@ -49,7 +49,7 @@ __device__ void matvec_multi(const uint8_t* W0, const uint8_t* W1, const uint8_t
 template <int N>
 __device__ void matvec_swiglu(const uint8_t* Wg, const uint8_t* Wu, int tyg, int tyu, const int8_t* xq,
                               const float* xd, const float* xs, float* Y, int rows, int k, int n) {
-    __shared__ __align__(16) uint8_t stage[NTX_FAST_WARPS][NTX_FAST_STAGE];
+    __shared__ __align__(16) uint8_t stage[NTX_FAST_WARPS][NTX_STAGES * NTX_FAST_STAGE];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row = blockIdx.x * NTX_FAST_WARPS + warp;
     if (row >= rows) return;

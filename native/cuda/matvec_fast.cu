@@ -18,7 +18,7 @@ template <class F, int N>
 __device__ void matvec_fast(const uint8_t* __restrict__ W, const int8_t* __restrict__ xq,
                             const float* __restrict__ xd, const float* __restrict__ xs,
                             float* __restrict__ Y, int rows, int k, int n) {
-    __shared__ __align__(16) uint8_t stage[NTX_FAST_WARPS][FastGroup<F>::BYTES + 16];
+    __shared__ __align__(16) uint8_t stage[NTX_FAST_WARPS][NTX_STAGES * (FastGroup<F>::BYTES + 16)];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row = blockIdx.x * NTX_FAST_WARPS + warp;
     if (row >= rows) return;  // the whole warp leaves together

@@ -153,18 +153,111 @@ __device__ __forceinline__ void load_group(uint4* r, const uint8_t* __restrict__
     }
 }
 
+// The units of one group (blocks g0.. of the row, staged at sg) against the n activation rows,
+// for the pipelined row: the loop of fast_row's register path (kept verbatim there so the default
+// build's code does not change), so both add the same terms in the same order, bit for bit.
+template <class F, int N>
+__device__ __forceinline__ void decode_group(const uint8_t* sg, int g0, int nb, const int8_t* __restrict__ xq,
+                                             const float* __restrict__ xd, const float* __restrict__ xs,
+                                             int k, int n, int lane, float* acc) {
+    const int k32 = k / 32, units = min(F::G, nb - g0) * F::B::UNITS;
+    for (int u = lane; u < units; u += 32) {
+        const int bl = u / F::B::UNITS, j = u % F::B::UNITS;
+        const int col32 = (g0 + bl) * (F::B::QK / 32) + j;  // global index of the 32 values
+#pragma unroll
+        for (int t = 0; t < N; ++t) {
+            if (t < n) {
+                int x[8];
+                ldx(xq + (size_t)t * k + 32 * (size_t)col32, x);
+                const size_t si = (size_t)t * k32 + col32;
+                acc[t] += __ldg(xd + si) * F::unit(sg + bl * F::B::BYTES, j, x, __ldg(xs + si));
+            }
+        }
+    }
+}
+
+// --- the pipelined row (NTX_FAST_ASYNC = S >= 2 stages) ----------------------------------------
+// Instead of holding the next group in registers, each lane copies its 16-byte chunks of the
+// next S - 1 groups straight into S shared-memory stages (cp.async, sm_80+), so S - 1 groups of a
+// row are in flight while one is decoded, without registers. Off by default until measured.
+#ifndef NTX_FAST_ASYNC
+#define NTX_FAST_ASYNC 0
+#endif
+#define NTX_STAGES (NTX_FAST_ASYNC > 1 ? NTX_FAST_ASYNC : 1)
+
+__device__ __forceinline__ void cp_async16(uint8_t* dst, const uint8_t* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Wait until at most `pending` of this lane's newest copy groups are still in flight.
+template <int pending>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
+#endif
+}
+
+// This lane's 16-byte chunks of one group (nbytes of it exist) into the stage at st.
+template <class F>
+__device__ __forceinline__ void copy_group(uint8_t* st, const uint8_t* __restrict__ src, int nbytes, int lane) {
+#pragma unroll
+    for (int c = 0; c < FastGroup<F>::CH; ++c) {
+        const int off = 16 * (lane + 32 * c);
+        if (off < nbytes) cp_async16(st + off, src + off);
+    }
+}
+
+// fast_row with S stages of FastGroup<F>::BYTES + 16 bytes at st (the 16: ld8's ninth word).
+template <class F, int N, int S>
+__device__ __forceinline__ void fast_row_pipelined(const uint8_t* __restrict__ wrow, int nb, int row_bytes,
+                                                   const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                                                   const float* __restrict__ xs, uint8_t* st, int k, int n,
+                                                   int lane, float* acc) {
+    typedef FastGroup<F> Grp;
+    const int stride = Grp::BYTES + 16;  // a multiple of 16: every stage is 16-byte aligned
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {  // groups 0 .. S - 2 in flight
+        const int off = s * Grp::BYTES;
+        if (off < row_bytes) copy_group<F>(st + s * stride, wrow + off, min(Grp::BYTES, row_bytes - off), lane);
+        cp_async_commit();  // empty groups too: the count of groups stays one per step
+    }
+    for (int gi = 0, g0 = 0; g0 < nb; ++gi, g0 += F::G) {
+        const int ahead = (gi + S - 1) * Grp::BYTES;  // into the stage decoded in the last step
+        if (ahead < row_bytes)
+            copy_group<F>(st + ((gi + S - 1) % S) * stride, wrow + ahead, min(Grp::BYTES, row_bytes - ahead), lane);
+        cp_async_commit();
+        cp_async_wait<S - 1>();  // this lane's copies of group gi have landed
+        __syncwarp();            // ... and every other lane's are visible
+        decode_group<F, N>(st + (gi % S) * stride, g0, nb, xq, xd, xs, k, n, lane, acc);
+        __syncwarp();  // the stage is free for the copy of the next step
+    }
+}
+
 // Row `row` of W (k columns) times the n <= N activation rows, by one warp: every lane returns
-// the totals in acc. st is the warp's stage, at least FastGroup<F>::BYTES + 16 bytes.
+// the totals in acc. st is the warp's stage, at least NTX_STAGES * (FastGroup<F>::BYTES + 16) bytes.
 template <class F, int N>
 __device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row, const int8_t* __restrict__ xq,
                                          const float* __restrict__ xd, const float* __restrict__ xs,
                                          uint8_t* st, int k, int n, float* acc) {
-    typedef FastGroup<F> Grp;
     const int lane = threadIdx.x & 31;
     const int nb = k / F::B::QK, row_bytes = nb * F::B::BYTES, k32 = k / 32;
     const uint8_t* wrow = W + (size_t)row * row_bytes;
 #pragma unroll
     for (int t = 0; t < N; ++t) acc[t] = 0.f;
+#if NTX_FAST_ASYNC > 1
+    (void)k32;
+    fast_row_pipelined<F, N, NTX_STAGES>(wrow, nb, row_bytes, xq, xd, xs, st, k, n, lane, acc);
+#else
+    typedef FastGroup<F> Grp;
     uint4 r[Grp::CH];
     load_group<F>(r, wrow, min(Grp::BYTES, row_bytes), lane);
     for (int g0 = 0; g0 < nb; g0 += F::G) {
@@ -195,6 +288,7 @@ __device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row,
         }
         __syncwarp();
     }
+#endif
 #pragma unroll
     for (int t = 0; t < N; ++t) acc[t] = fwarp_sum(acc[t]);
 }
@@ -207,6 +301,8 @@ __device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row,
 #define NTX_FAST_STAGE (NTX_MAX3(NTX_G_Q4_K * 144, NTX_G_Q6_K * 210, NTX_G_Q8_0 * 34) + 16)  // + ld8 padding
 static_assert(FastGroup<FastQ4_K>::BYTES + 16 <= NTX_FAST_STAGE && FastGroup<FastQ6_K>::BYTES + 16 <= NTX_FAST_STAGE &&
               FastGroup<FastQ8_0>::BYTES + 16 <= NTX_FAST_STAGE, "NTX_FAST_STAGE too small");
+static_assert(NTX_FAST_WARPS * NTX_STAGES * NTX_FAST_STAGE <= 48 * 1024,
+              "NTX_FAST_WARPS x NTX_FAST_ASYNC stages exceed 48 KiB of static shared memory a block");
 
 // Bytes of one row of k values, and of one group, of a fused kernel's weight type.
 __device__ __forceinline__ int fast_row_bytes(int type, int k) {

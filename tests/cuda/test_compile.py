@@ -82,6 +82,48 @@ def test_tuning_defines_reach_only_the_dp4a_sources(monkeypatch):
         cuda_nvrtc.options("fused.cu")
 
 
+def _ptx(source: str) -> str:
+    """PTX of `source` for compute_90 with the current options (to read which instructions a
+    build uses: a cubin's SASS is binary)."""
+    nvrtc = cuda_nvrtc._nvrtc()
+    path = cuda_nvrtc.KERNEL_DIR / source
+    prog = cuda_nvrtc.check_nvrtc(nvrtc.nvrtcCreateProgram(path.read_bytes(), source.encode(), 0, [], []), "create")
+    try:
+        opts = [b"--gpu-architecture=compute_90", f"--include-path={cuda_nvrtc.KERNEL_DIR}".encode(),
+                *(o.encode() for o in cuda_nvrtc.options(source))]
+        cuda_nvrtc.check_nvrtc(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), "compile",
+                               cuda_nvrtc._program_log(nvrtc, prog))
+        buf = bytearray(cuda_nvrtc.check_nvrtc(nvrtc.nvrtcGetPTXSize(prog), "size"))
+        cuda_nvrtc.check_nvrtc(nvrtc.nvrtcGetPTX(prog, buf), "ptx")
+        return bytes(buf).decode()
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("source", ["matvec_fast.cu", "fused.cu"])
+def test_pipelined_dp4a_rows_compile_and_copy_asynchronously(monkeypatch, source, stages):
+    """-DNTX_FAST_ASYNC=S builds the dp4a kernels with S cp.async stages a warp: clean for sm_80
+    and sm_90, the same kernels, and the weights reach shared memory through cp.async (which the
+    default build never uses). Their results are held to the default build on the GPU
+    (tests/cuda/test_pipelined_gpu.py)."""
+    assert "cp.async" not in _ptx(source)
+    monkeypatch.setenv("NTX_CUDA_DEFINES", f"-DNTX_FAST_ASYNC={stages}")
+    ptx = _ptx(source)
+    assert "cp.async.cg.shared.global" in ptx and f"cp.async.wait_group {stages - 1};" in ptx
+    for arch in ("sm_80", "sm_90"):
+        cubin, log = cuda_nvrtc.compile_cubin(source, arch)
+        assert "warning" not in log.lower(), log
+        names = ["matvecf_q4_k_n1", "matvecf_q6_k_n8"] if source == "matvec_fast.cu" else ["matvecf_swiglu_n1"]
+        assert all(n.encode() + b"\0" in cubin for n in names)
+
+
+def test_too_many_stages_are_refused_at_compile_time(monkeypatch):
+    monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_FAST_ASYNC=8")  # 4 warps x 8 x 1696 bytes > 48 KiB
+    with pytest.raises(CudaError, match="48 KiB of static shared memory"):
+        cuda_nvrtc.compile_cubin("fused.cu", "sm_90")
+
+
 def test_cache_reuses_cubin_and_keys_on_source(tmp_path):
     kdir = tmp_path / "kernels"
     shutil.copytree(cuda_nvrtc.KERNEL_DIR, kdir)
