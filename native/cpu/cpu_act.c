@@ -4,7 +4,8 @@
  *   Q8_0 / Q8_1: d = amax/127, q = round-half-even(x * (127/amax)), d (and s = d*sum(q)) fp16;
  *   Q8_K: iscale = -127/max (the signed value of largest magnitude), q = min(127, round(iscale*x)),
  *         d = 1/iscale as f32, plus the 16 group sums;
- *   F16 / BF16 / F32 weights: the row rounded to that float type, stored as float32.
+ *   F16 / BF16 weights: the row rounded to that type and stored in it (2 bytes a value, half
+ *         the traffic of float32 when several rows share a weight row); F32: the row as is.
  */
 #include <errno.h>
 #include <math.h>
@@ -39,7 +40,8 @@ int ntx_act_type(int weight_type) {
 NTX_EXPORT int64_t ntx_cpu_act_row_bytes(int weight_type, int64_t k) {
     int act = ntx_act_type(weight_type), block, bytes;
     if (act < 0 || k <= 0 || !ntx_type_block(weight_type, &block, &bytes) || k % block) return -EINVAL;
-    if (act == T_F32 || act == T_F16 || act == T_BF16) return k * 4;  /* rounded float32 */
+    if (act == T_F32) return k * 4;
+    if (act == T_F16 || act == T_BF16) return k * 2;
     ntx_type_block(act, &block, &bytes);
     return k / block * bytes;
 }
@@ -102,14 +104,23 @@ static void quantize_q8_k(const float *x, int64_t k, blk_q8_K *y) {
     }
 }
 
+static void to_bf16(const float *x, int64_t k, uint16_t *h) {
+    for (int64_t j = 0; j < k; j++) {
+        uint32_t u;
+        float f = round_bf16(x[j]);  /* its low 16 bits are zero */
+        memcpy(&u, &f, 4);
+        h[j] = (uint16_t)(u >> 16);
+    }
+}
+
 static void quantize_row(int act, const float *x, int64_t k, void *out) {
-    float *f = out;
+    half_t *h = out;
     switch (act) {
     case T_Q8_0: quantize_q8_0(x, k, out); break;
     case T_Q8_1: quantize_q8_1(x, k, out); break;
     case T_Q8_K: quantize_q8_k(x, k, out); break;
-    case T_F16: for (int64_t j = 0; j < k; j++) f[j] = f16_to_f32(f32_to_f16(x[j])); break;
-    case T_BF16: for (int64_t j = 0; j < k; j++) f[j] = round_bf16(x[j]); break;
+    case T_F16: for (int64_t j = 0; j < k; j++) h[j] = f32_to_f16(x[j]); break;
+    case T_BF16: to_bf16(x, k, out); break;
     default: memcpy(out, x, (size_t)k * sizeof(float)); break;
     }
 }

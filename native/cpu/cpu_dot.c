@@ -24,25 +24,24 @@ static uint32_t load_u32(const uint8_t *p) {
     return v;
 }
 
-static inline const float *act_row(const uint8_t *act, int64_t act_bytes, int r) {
-    return (const float *)(act + r * act_bytes);
-}
-
 /* ---------------------------------------------------------------------------- F32, F16, BF16 */
 
-/* F32/F16/BF16 weights against float32 activations, summed in element order */
+/* value i of an F32/F16/BF16 array (weights, and activations rounded to the weight's type) */
+ALWAYS_INLINE float p_value(int t, const uint8_t *p, int64_t i) {
+    if (t == T_F16) return f16_to_f32(load_half(p + 2 * i));
+    if (t == T_BF16) return bf16_to_f32(load_half(p + 2 * i));
+    float x;
+    memcpy(&x, p + 4 * i, 4);
+    return x;
+}
+
+/* summed in element order */
 ALWAYS_INLINE void p_float_body(int t, int64_t k, const uint8_t *w, const uint8_t *act, int64_t ab,
                                 int nr, float *out, int64_t os) {
     float s[NTX_DOTN_MAX] = {0};
     for (int64_t i = 0; i < k; i++) {
-        float x;
-        if (t == T_F32)
-            memcpy(&x, w + 4 * i, 4);
-        else if (t == T_F16)
-            x = f16_to_f32(load_half(w + 2 * i));
-        else
-            x = bf16_to_f32(load_half(w + 2 * i));
-        for (int r = 0; r < nr; r++) s[r] += x * act_row(act, ab, r)[i];
+        float x = p_value(t, w, i);
+        for (int r = 0; r < nr; r++) s[r] += x * p_value(t, act + r * ab, i);
     }
     for (int r = 0; r < nr; r++) out[r * os] = s[r];
 }

@@ -130,13 +130,25 @@ def test_activation_quantizer_is_bit_identical(kernels, weight_type):
         assert ours[i].tobytes() == theirs[i].tobytes(), f"{act.name} row {name}: differs from ggml"
 
 
+def _as_f32(weight_type, raw: np.ndarray) -> np.ndarray:
+    """The activation bytes as float32: F16/BF16 rows are stored in that type, 2 bytes a value."""
+    if weight_type == T.F16:
+        return raw.view(np.float16).astype(np.float32)
+    if weight_type == T.BF16:
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return raw.view(np.float32)
+
+
 @pytest.mark.parametrize("weight_type", [T.F16, T.BF16, T.F32])
 def test_float_activations_rounded_like_ggml(kernels, weight_type):
     x = np.concatenate([np.stack(list(EDGE_ROWS.values())),
                         np.random.default_rng(3).standard_normal((4, 256)).astype(np.float32)])
-    ours = kernels.quantize_act(weight_type, x).view(np.float32)
+    raw = kernels.quantize_act(weight_type, x)
+    assert raw.shape == (len(x), 256 * (4 if weight_type == T.F32 else 2))
     want = matmul.quantize_activations(x, weight_type)
-    assert ours.tobytes() == want.tobytes()
+    assert _as_f32(weight_type, raw).tobytes() == want.tobytes()
+    if weight_type != T.F32:  # the very bytes ggml's from_float writes for this vec_dot_type
+        assert raw.tobytes() == ggml().from_float(int(weight_type), x).tobytes()
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
