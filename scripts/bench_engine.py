@@ -6,12 +6,13 @@ JSON out and a short table last (the form the lent-GPU runs record in docs/bench
     python scripts/bench_engine.py --synthetic llama3-8b:q4_k_m llama3-8b:q8_0 \\
         --variant fast/split/pdl fast/split staged/single --json out.json
 
-A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/async=S]: MATVEC fast|staged|direct, ATTN
+A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/async=S][/preload]: MATVEC fast|staged|direct, ATTN
 split|single, pdl = Hopper programmatic dependent launch, fuse = the fused kernels (all, or the named
 ones of cuda_backend.FUSIONS: qkv, ffn, rope, norm; without it, none), mmq = prefill matmuls on the
 int8 tensor cores (mmq.cu), gemm / nogemm = prefill matmuls as fp16 cuBLAS GEMMs (dequant.cu) or not
 (neither: the backend's default, NTX_CUDA_GEMM), async=S = the dp4a kernels built with S >= 2 cp.async stages a
-warp (-DNTX_FAST_ASYNC=S, matvec_fast.cuh). --prefill-chunk: tokens per prefill pass. Each (model, variant) is
+warp (-DNTX_FAST_ASYNC=S, matvec_fast.cuh), preload = the split decode attention with its K/V loads issued up
+front (-DNTX_ATTN_PRELOAD=1, attention.cu). --prefill-chunk: tokens per prefill pass. Each (model, variant) is
 bench_cuda.run (its docstring says how bytes per token and the bound are counted).
 --kernels adds bench_cuda.kernel_table: each decode kernel's own GPU time at 8B shapes.
 """
@@ -28,26 +29,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None, int]:
+def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None, tuple[str, ...]]:
     parts = text.split("/")
     flags = {f.split("=")[0]: f for f in parts[2:]}
     fuse = flags.get("fuse", "none")
     fuse = "all" if fuse == "fuse" else fuse.removeprefix("fuse=").replace("+", ",")
     if len(parts) < 2 or parts[0] not in ("fast", "staged", "direct") or parts[1] not in ("split", "single") \
-            or not set(flags) <= {"pdl", "fuse", "mmq", "gemm", "nogemm", "async"}:
-        raise argparse.ArgumentTypeError(f"variant {text!r}: expected MATVEC/ATTN[/pdl][/fuse[=A+B]][/mmq][/async=S], "
+            or not set(flags) <= {"pdl", "fuse", "mmq", "gemm", "nogemm", "async", "preload"}:
+        raise argparse.ArgumentTypeError(f"variant {text!r}: expected MATVEC/ATTN[/pdl][/fuse[=A+B]][/mmq][/async=S]"
+                                         "[/preload], "
                                          "e.g. fast/split/pdl/fuse")
     gemm = "1" if "gemm" in flags else "0" if "nogemm" in flags else None
     stages = flags.get("async", "async=0").removeprefix("async=")
     if not stages.isdigit() or int(stages) == 1 or ("async" in flags and int(stages) == 0):
         raise argparse.ArgumentTypeError(f"variant {text!r}: async=S needs S >= 2 stages, e.g. async=4")
-    return parts[0], parts[1], "pdl" in flags, fuse, "mmq" in flags, gemm, int(stages)
+    defines = ((f"-DNTX_FAST_ASYNC={stages}",) if int(stages) else ()) + (("-DNTX_ATTN_PRELOAD=1",) if "preload" in flags else ())
+    return parts[0], parts[1], "pdl" in flags, fuse, "mmq" in flags, gemm, defines
 
 
-def stage_defines(stages: int) -> str:
-    """NTX_CUDA_DEFINES for a variant: the caller's own, with NTX_FAST_ASYNC set when stages >= 2."""
-    own = [d for d in os.environ.get("NTX_CUDA_DEFINES", "").split() if not d.startswith("-DNTX_FAST_ASYNC=")]
-    return " ".join(own + ([f"-DNTX_FAST_ASYNC={stages}"] if stages else []))
+VARIANT_MACROS = ("-DNTX_FAST_ASYNC=", "-DNTX_ATTN_PRELOAD=")
+
+
+def variant_defines(defines: tuple[str, ...]) -> str:
+    """NTX_CUDA_DEFINES for a variant: the caller's own, less the macros variants set, plus the
+    variant's (so a variant without async=S runs the default build even if the caller set it)."""
+    own = [d for d in os.environ.get("NTX_CUDA_DEFINES", "").split() if not d.startswith(VARIANT_MACROS)]
+    return " ".join(own + list(defines))
 
 
 def table(results: list[dict], top: int = 8) -> str:
@@ -55,7 +62,7 @@ def table(results: list[dict], top: int = 8) -> str:
     for r in results:
         lines.append(f"{r['model']} {r['matvec']}/{r['attn']}{'/pdl' if r['pdl'] else ''}{'/fuse=' + '+'.join(r['fuse']) if r['fuse'] else ''}"
                      f"{'/mmq' if r.get('mmq') else ''}{'/gemm' if r.get('gemm') else ''}"
-                     f"{'/async=' + str(r['fast_async']) if r.get('fast_async') else ''}: "
+                     f"{''.join(' ' + d for d in r.get('defines', ()))}: "
                      f"decode {r['decode_tok_s_graph']:.1f} tok/s (plain {r['decode_tok_s_plain']:.1f}), "
                      f"{r['achieved_gb_s']:.0f} GB/s = {100 * r['fraction_of_bound']:.1f} % of bound "
                      f"({r['hbm_bound_tok_s']:.0f} tok/s); prefill {r['prefill_tok_s']:.0f} tok/s; "
@@ -76,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--synthetic", nargs="*", default=[], help="SHAPE:MIX[:LAYERS] ...")
-    ap.add_argument("--variant", nargs="+", type=parse_variant, default=[("fast", "split", True, "none", False, None, 0)])
+    ap.add_argument("--variant", nargs="+", type=parse_variant, default=[("fast", "split", True, "none", False, None, ())])
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--decode", type=int, default=128)
@@ -97,15 +104,15 @@ def main(argv: list[str] | None = None) -> int:
             a.json.write_text(json.dumps({"kernels": kernels, "runs": results}, indent=1) + "\n")
     for spec in a.synthetic:
         path = bench_cuda.synthetic_model(spec, a.workdir)
-        for matvec, attn, pdl, fuse, mmq, gemm, stages in a.variant:
+        for matvec, attn, pdl, fuse, mmq, gemm, defines in a.variant:
             own = os.environ.get("NTX_CUDA_DEFINES", "")
-            os.environ["NTX_CUDA_DEFINES"] = stage_defines(stages)  # read when the backend compiles
+            os.environ["NTX_CUDA_DEFINES"] = variant_defines(defines)  # read when the backend compiles
             try:
                 results.append(bench_cuda.run(path, a.prompt, a.decode, a.n_ctx, matvec, attn, pdl, fuse, a.plain,
                                               mmq, gemm=gemm, prefill_chunk=a.prefill_chunk))
             finally:
                 os.environ["NTX_CUDA_DEFINES"] = own
-            results[-1]["fast_async"] = stages
+            results[-1]["defines"] = list(defines)
             print(table(results[-1:], top=0), flush=True)
             if a.json:  # after every run, so a time-out still leaves the finished ones
                 a.json.write_text(json.dumps({"kernels": kernels, "runs": results}, indent=1) + "\n")

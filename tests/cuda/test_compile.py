@@ -70,10 +70,11 @@ def test_fused_kernels_present(arch):
 
 
 def test_tuning_defines_reach_only_the_dp4a_sources(monkeypatch):
-    """NTX_CUDA_DEFINES changes the options (and so the cache key) of matvec_fast.cu/fused.cu
-    only; anything but -DNTX_* is refused."""
+    """NTX_CUDA_DEFINES changes the options (and so the cache key) of the TUNABLE sources
+    (matvec_fast.cu, fused.cu, attention.cu) only; anything but -DNTX_* is refused."""
     monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_G_Q8_0=64")
     assert cuda_nvrtc.options("fused.cu")[-1] == "-DNTX_G_Q8_0=64"
+    assert cuda_nvrtc.options("attention.cu")[-1] == "-DNTX_G_Q8_0=64"
     assert cuda_nvrtc.options("matvec.cu") == cuda_nvrtc.OPTIONS
     cubin, _ = cuda_nvrtc.compile_cubin("matvec_fast.cu", "sm_90")
     assert b"matvecf_q8_0_n1\0" in cubin
@@ -116,6 +117,19 @@ def test_pipelined_dp4a_rows_compile_and_copy_asynchronously(monkeypatch, source
         assert "warning" not in log.lower(), log
         names = ["matvecf_q4_k_n1", "matvecf_q6_k_n8"] if source == "matvec_fast.cu" else ["matvecf_swiglu_n1"]
         assert all(n.encode() + b"\0" in cubin for n in names)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_preloaded_attention_compiles(monkeypatch, arch):
+    """-DNTX_ATTN_PRELOAD=1 reaches attention.cu and builds every split kernel clean (results
+    against the default build: tests/cuda/test_pipelined_gpu.py)."""
+    default, _ = cuda_nvrtc.compile_cubin("attention.cu", arch)
+    monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_ATTN_PRELOAD=1")
+    cubin, log = cuda_nvrtc.compile_cubin("attention.cu", arch)
+    assert "warning" not in log.lower(), log
+    assert cubin != default
+    for v in (2, 3, 4, 8):
+        assert f"attn_gqa_scores_{v}\0".encode() in cubin and f"attn_gqa_pv_{v}\0".encode() in cubin
 
 
 def test_too_many_stages_are_refused_at_compile_time(monkeypatch):

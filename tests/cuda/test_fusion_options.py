@@ -27,23 +27,24 @@ def test_bench_variants():
     from tests.cuda.conftest import _load_script
 
     be = _load_script("bench_engine")
-    assert be.parse_variant("fast/split/pdl") == ("fast", "split", True, "none", False, None, 0)
-    assert be.parse_variant("fast/split/pdl/fuse/mmq") == ("fast", "split", True, "all", True, None, 0)
-    assert be.parse_variant("staged/single/fuse=qkv+ffn") == ("staged", "single", False, "qkv,ffn", False, None, 0)
+    assert be.parse_variant("fast/split/pdl") == ("fast", "split", True, "none", False, None, ())
+    assert be.parse_variant("fast/split/pdl/fuse/mmq") == ("fast", "split", True, "all", True, None, ())
+    assert be.parse_variant("staged/single/fuse=qkv+ffn") == ("staged", "single", False, "qkv,ffn", False, None, ())
     assert be.parse_variant("fast/split/fuse/gemm")[5] == "1" and be.parse_variant("fast/split/nogemm")[5] == "0"
-    assert be.parse_variant("fast/split/pdl/fuse/async=4")[-1] == 4
+    assert be.parse_variant("fast/split/pdl/fuse/async=4")[-1] == ("-DNTX_FAST_ASYNC=4",)
+    assert be.parse_variant("fast/split/async=2/preload")[-1] == ("-DNTX_FAST_ASYNC=2", "-DNTX_ATTN_PRELOAD=1")
     for bad in ("fast/split/turbo", "fast/split/async=1", "fast/split/async=x", "fast/split/async=0"):
         with pytest.raises(argparse.ArgumentTypeError):
             be.parse_variant(bad)
 
 
-def test_bench_stage_defines_keep_the_callers_own(monkeypatch):
+def test_bench_variant_defines_keep_the_callers_own(monkeypatch):
     from tests.cuda.conftest import _load_script
 
     be = _load_script("bench_engine")
-    monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_G_Q4_K=16 -DNTX_FAST_ASYNC=3")
-    assert be.stage_defines(4) == "-DNTX_G_Q4_K=16 -DNTX_FAST_ASYNC=4"
-    assert be.stage_defines(0) == "-DNTX_G_Q4_K=16"
+    monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_G_Q4_K=16 -DNTX_FAST_ASYNC=3 -DNTX_ATTN_PRELOAD=1")
+    assert be.variant_defines(("-DNTX_FAST_ASYNC=4",)) == "-DNTX_G_Q4_K=16 -DNTX_FAST_ASYNC=4"
+    assert be.variant_defines(()) == "-DNTX_G_Q4_K=16"
 
 
 class _UnfusedTransformer:

@@ -1,6 +1,8 @@
-"""The pipelined dp4a rows (-DNTX_FAST_ASYNC=S: S cp.async shared-memory stages a warp) against
-the default register-staged build: the same terms added in the same order, so matvec outputs and
-whole-model logits must be equal bit for bit; and against the numpy backend (the oracle)."""
+"""Opt-in kernel builds against the default build: the pipelined dp4a rows (-DNTX_FAST_ASYNC=S:
+S cp.async shared-memory stages a warp) and the split decode attention with its loads issued up
+front (-DNTX_ATTN_PRELOAD=1). Both add the same terms in the same order as the default kernels,
+so matvec outputs, attention outputs and whole-model logits must be equal bit for bit; the
+matvecs are also held to the numpy backend (the oracle)."""
 
 from __future__ import annotations
 
@@ -17,11 +19,13 @@ T = GGMLType
 STAGES = [2, 3, 4]
 
 
-def _backend(monkeypatch, stages: int, **kw):
-    """A CUDA backend whose dp4a kernels are built with `stages` (0: the default build)."""
+def _backend(monkeypatch, stages: int, preload: bool = False, **kw):
+    """A CUDA backend whose dp4a kernels are built with `stages` (0: the default build) and whose
+    split attention issues its loads up front when `preload`."""
     from ntx_engine.backends.cuda_backend import CudaBackend
 
-    monkeypatch.setenv("NTX_CUDA_DEFINES", f"-DNTX_FAST_ASYNC={stages}" if stages else "")
+    defines = ([f"-DNTX_FAST_ASYNC={stages}"] if stages else []) + (["-DNTX_ATTN_PRELOAD=1"] if preload else [])
+    monkeypatch.setenv("NTX_CUDA_DEFINES", " ".join(defines))
     b = CudaBackend(**kw)
     monkeypatch.delenv("NTX_CUDA_DEFINES")
     return b
@@ -54,13 +58,39 @@ def test_pipelined_matvec_equals_the_default_build(cuda_backend, synth, monkeypa
             assert err < 2e-5, f"{t.name} {rows}x{k} n={n}: rel L2 {err:.2e} against numpy"
 
 
+@pytest.mark.parametrize("head_dim,n_head,n_head_kv", [(64, 8, 2), (128, 4, 4), (96, 6, 2), (256, 16, 2), (128, 32, 8)])
+def test_preloaded_decode_attention_equals_the_default_build(cuda_backend, monkeypatch, head_dim, n_head, n_head_kv):
+    """Decode steps at 7, 8 (one partial chunk) and 259 (five chunks, the last partial), after
+    prefills that fill the cache; every split-kernel layout (head_dim / 32 = 2, 3, 4, 8)."""
+    from ntx_engine.backends.cuda_kernels import gqa_split_ok
+
+    assert gqa_split_ok(n_head, n_head_kv, head_dim)
+    cfg = ModelConfig(arch="llama", n_layers=2, n_embd=n_head * head_dim, n_ff=256, n_head=n_head,
+                      n_head_kv=n_head_kv, head_dim=head_dim, rope_dim=64, rope_base=10000.0, rope_type="norm",
+                      rope_freq_scale=1.0, has_rope_freqs=False, rms_eps=1e-5, context_length=512, vocab_size=64,
+                      tied_embeddings=True, qkv_bias=False)
+    pair = _backend(monkeypatch, 0), _backend(monkeypatch, 0, preload=True)
+    for b in pair:
+        b.set_model(cfg, 300, None)
+    rng = np.random.default_rng(head_dim + n_head)
+    start = 0
+    for n in (7, 1, 1, 250, 1):
+        q, k, v = (rng.standard_normal((n, d)).astype(np.float32) * 2 for d in (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))
+        for layer in (0, 1):
+            a, p = (b.to_numpy(b.attention(b.from_numpy(q), b.from_numpy(k), b.from_numpy(v), layer, start))
+                    for b in pair)
+            assert np.isfinite(p).all() and np.array_equal(a, p), \
+                f"hd {head_dim} {n_head}/{n_head_kv} n={n} start={start}: max |diff| {np.abs(a - p).max()}"
+        start += n
+
+
 CASES = [("tiny", "q8_0", 4), ("tiny", "q4_k_m", 4)]
 
 
-@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("stages,preload", [(2, False), (4, False), (0, True), (4, True)])
 @pytest.mark.parametrize("shape,mix,layers", CASES, ids=[f"{s}-{m}" for s, m, _ in CASES])
-def test_pipelined_model_logits_equal_the_default_build(cuda_backend, synth, monkeypatch, tmp_path, shape, mix,
-                                                         layers, stages):
+def test_opt_in_builds_give_the_default_logits(cuda_backend, synth, monkeypatch, tmp_path, shape, mix, layers,
+                                              stages, preload):
     """Fused qkv / gate-up kernels included (fused.cu), prefill, decode and the CUDA graph."""
     from ntx_engine.backends.cuda_graph import DecodeGraph
     from ntx_engine.gguf import GGUFFile
@@ -72,8 +102,8 @@ def test_pipelined_model_logits_equal_the_default_build(cuda_backend, synth, mon
     cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
     prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, 11)
     runs = []
-    for s in (0, stages):
-        b = _backend(monkeypatch, s, fuse="all")
+    for s, pre in ((0, False), (stages, preload)):
+        b = _backend(monkeypatch, s, pre, fuse="all")
         model = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 64)
         graph = DecodeGraph(model)
         logits = [model.forward(prompt, 0, all_logits=True)]
@@ -83,4 +113,4 @@ def test_pipelined_model_logits_equal_the_default_build(cuda_backend, synth, mon
             tok = int(np.argmax(logits[-1][-1]))
         runs.append(logits)
     for i, (a, p) in enumerate(zip(*runs)):
-        assert np.array_equal(a, p), f"step {i}: S={stages} logits differ (max {np.abs(a - p).max()})"
+        assert np.array_equal(a, p), f"step {i}: S={stages} preload={preload}: logits differ (max {np.abs(a - p).max()})"
