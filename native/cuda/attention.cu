@@ -172,16 +172,16 @@ __device__ void gqa_scores(const float* __restrict__ q, const uint16_t* __restri
     constexpr int PW = ATTN_CHUNK / ATTN_WARPS;
     float kall[PW][V];
 #pragma unroll
-    for (int i = 0; i < PW; ++i) {
-        const int p = p0 + warp + i * ATTN_WARPS;
-        if (p < p1) ld_halves<V>(kc + (size_t)p * kv_dim + kvh * hd + lane * V, kall[i]);
+    for (int r = 0; r < PW; ++r) {
+        const int p = p0 + warp + r * ATTN_WARPS;
+        if (p < p1) ld_halves<V>(kc + (size_t)p * kv_dim + kvh * hd + lane * V, kall[r]);
     }
 #pragma unroll
-    for (int i = 0; i < PW; ++i) {
-        const int p = p0 + warp + i * ATTN_WARPS;
+    for (int r = 0; r < PW; ++r) {
+        const int p = p0 + warp + r * ATTN_WARPS;
         if (p >= p1) break;
         float s[ATTN_GMAX];
-        const float* kf = kall[i];
+        const float* kf = kall[r];
 #else
     for (int p = p0 + warp; p < p1; p += ATTN_WARPS) {
         float kf[V], s[ATTN_GMAX];
@@ -259,9 +259,9 @@ __device__ void gqa_pv(const float* __restrict__ scores, const float* __restrict
     {
         const int dt = threadIdx.x % D2, pg = threadIdx.x / D2;
 #pragma unroll
-        for (int i = 0; i < NP; ++i) {
-            const int p = p0 + pg + i * PG;
-            if (pg < PG && p < p1) vall[i] = *reinterpret_cast<const uint32_t*>(vc + (size_t)p * kv_dim + kvh * hd + 2 * dt);
+        for (int r = 0; r < NP; ++r) {
+            const int p = p0 + pg + r * PG;
+            if (pg < PG && p < p1) vall[r] = *reinterpret_cast<const uint32_t*>(vc + (size_t)p * kv_dim + kvh * hd + 2 * dt);
         }
     }
 #endif
@@ -277,10 +277,10 @@ __device__ void gqa_pv(const float* __restrict__ scores, const float* __restrict
     for (int g = 0; g < ATTN_GMAX; ++g) a0[g] = a1[g] = 0.f;
 #if NTX_ATTN_PRELOAD
 #pragma unroll
-    for (int i = 0; i < NP; ++i) {
-        const int p = p0 + pg + i * PG;
+    for (int r = 0; r < NP; ++r) {
+        const int p = p0 + pg + r * PG;
         if (pg >= PG || p >= p1) break;
-        const uint32_t w = vall[i];
+        const uint32_t w = vall[r];
 #else
 #pragma unroll 4
     for (int p = p0 + pg; pg < PG && p < p1; p += PG) {  // pg < PG: 256 threads need not be whole rows
