@@ -63,3 +63,14 @@ def host_check(tmp_path_factory):
     lib.ntx_host_q8k.argtypes = [f32p, f32p, ctypes.c_long]
     lib.ntx_host_round.argtypes = [f32p, f32p, ctypes.c_long, ctypes.c_int]
     return lib
+
+
+def greedy_logits(model, forward, prompt, steps: int) -> list:
+    """The prompt's logits (all positions) from model.forward, then `steps` greedy decode steps
+    through `forward` (model.forward or a DecodeGraph's): the logits of every pass, in order."""
+    logits = [model.forward(prompt, 0, all_logits=True)]
+    tok = int(np.argmax(logits[0][-1]))
+    for i in range(steps):
+        logits.append(forward(np.asarray([tok]), len(prompt) + i))
+        tok = int(np.argmax(logits[-1][-1]))
+    return logits

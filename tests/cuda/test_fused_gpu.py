@@ -11,6 +11,7 @@ import pytest
 from ntx_engine.backends.numpy_backend import NumpyBackend
 from ntx_engine.config import ModelConfig
 from ntx_engine.quants import GGMLType
+from tests.cuda.conftest import greedy_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -208,13 +209,7 @@ def test_fused_model_logits_equal_unfused(cuda_backend, synth, tmp_path, shape, 
     for fuse, graph in (("all", False), ("none", False), ("all", True)):
         b = CudaBackend(fuse=fuse)
         model = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 64)
-        fwd = DecodeGraph(model).forward if graph else model.forward
-        logits = [model.forward(prompt, 0, all_logits=True)]
-        tok = int(np.argmax(logits[0][-1]))
-        for i in range(6):
-            logits.append(fwd(np.asarray([tok]), len(prompt) + i))
-            tok = int(np.argmax(logits[-1][-1]))
-        runs.append(logits)
+        runs.append(greedy_logits(model, DecodeGraph(model).forward if graph else model.forward, prompt, 6))
     for i, (f, u, g) in enumerate(zip(*runs)):
         assert np.array_equal(f, u), f"step {i}: fused logits differ from unfused (max {np.abs(f - u).max()})"
         assert np.array_equal(f, g), f"step {i}: fused graph logits differ from fused plain"

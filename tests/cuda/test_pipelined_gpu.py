@@ -12,6 +12,7 @@ import pytest
 from ntx_engine.backends.numpy_backend import NumpyBackend
 from ntx_engine.config import ModelConfig
 from ntx_engine.quants import GGMLType
+from tests.cuda.conftest import greedy_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -105,12 +106,6 @@ def test_opt_in_builds_give_the_default_logits(cuda_backend, synth, monkeypatch,
     for s, pre in ((0, False), (stages, preload)):
         b = _backend(monkeypatch, s, pre, fuse="all")
         model = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 64)
-        graph = DecodeGraph(model)
-        logits = [model.forward(prompt, 0, all_logits=True)]
-        tok = int(np.argmax(logits[0][-1]))
-        for i in range(6):
-            logits.append(graph.forward(np.asarray([tok]), len(prompt) + i))
-            tok = int(np.argmax(logits[-1][-1]))
-        runs.append(logits)
+        runs.append(greedy_logits(model, DecodeGraph(model).forward, prompt, 6))
     for i, (a, p) in enumerate(zip(*runs)):
         assert np.array_equal(a, p), f"step {i}: S={stages} preload={preload}: logits differ (max {np.abs(a - p).max()})"
