@@ -74,3 +74,14 @@ def greedy_logits(model, forward, prompt, steps: int) -> list:
         logits.append(forward(np.asarray([tok]), len(prompt) + i))
         tok = int(np.argmax(logits[-1][-1]))
     return logits
+
+
+def synthetic_gguf(synth, tmp_path, shape: str, mix: str, layers: int, seed: int):
+    """A synthetic model written by make_synthetic_model, opened: (GGUFFile, ModelConfig)."""
+    from ntx_engine.config import ModelConfig
+    from ntx_engine.gguf import GGUFFile
+
+    path = tmp_path / f"{shape}-{mix}.gguf"
+    synth.write_model(path, shape, mix, layers, seed=seed)
+    gf = GGUFFile.open(path)
+    return gf, ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))

@@ -11,7 +11,7 @@ import pytest
 from ntx_engine.backends.numpy_backend import NumpyBackend
 from ntx_engine.config import ModelConfig
 from ntx_engine.quants import GGMLType
-from tests.cuda.conftest import greedy_logits
+from tests.cuda.conftest import greedy_logits, synthetic_gguf
 
 pytestmark = pytest.mark.gpu
 
@@ -197,13 +197,9 @@ def test_fused_model_logits_equal_unfused(cuda_backend, synth, tmp_path, shape, 
     bit for bit (so the numpy comparison of test_engine_gpu.py holds for both)."""
     from ntx_engine.backends.cuda_backend import CudaBackend
     from ntx_engine.backends.cuda_graph import DecodeGraph
-    from ntx_engine.gguf import GGUFFile
     from ntx_engine.model import Transformer, WeightLoader
 
-    path = tmp_path / f"{shape}-{mix}.gguf"
-    synth.write_model(path, shape, mix, layers, seed=4)
-    gf = GGUFFile.open(path)
-    cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
+    gf, cfg = synthetic_gguf(synth, tmp_path, shape, mix, layers, seed=4)
     prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, 11)
     runs = []
     for fuse, graph in (("all", False), ("none", False), ("all", True)):

@@ -12,7 +12,7 @@ import pytest
 from ntx_engine.backends.numpy_backend import NumpyBackend
 from ntx_engine.config import ModelConfig
 from ntx_engine.quants import GGMLType
-from tests.cuda.conftest import greedy_logits
+from tests.cuda.conftest import greedy_logits, synthetic_gguf
 
 pytestmark = pytest.mark.gpu
 
@@ -94,13 +94,9 @@ def test_opt_in_builds_give_the_default_logits(cuda_backend, synth, monkeypatch,
                                               stages, preload):
     """Fused qkv / gate-up kernels included (fused.cu), prefill, decode and the CUDA graph."""
     from ntx_engine.backends.cuda_graph import DecodeGraph
-    from ntx_engine.gguf import GGUFFile
     from ntx_engine.model import Transformer, WeightLoader
 
-    path = tmp_path / f"{shape}-{mix}.gguf"
-    synth.write_model(path, shape, mix, layers, seed=9)
-    gf = GGUFFile.open(path)
-    cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
+    gf, cfg = synthetic_gguf(synth, tmp_path, shape, mix, layers, seed=9)
     prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, 11)
     runs = []
     for s, pre in ((0, False), (stages, preload)):
