@@ -158,6 +158,7 @@ struct ntx_kernels {
 _Static_assert(NTX_DOTN_MAX == 4, "NTX_DOTN instantiates row counts 1-4");
 
 extern const struct ntx_kernels ntx_kernels_portable;
+void ntx_portable_init(void);  /* its F16 table; before the first portable F16 kernel runs */
 void ntx_kernels_fill_avx2(struct ntx_kernels *kt);
 void ntx_kernels_fill_vnni(struct ntx_kernels *kt);
 void ntx_kernels_fill_avx512(struct ntx_kernels *kt);

@@ -43,6 +43,7 @@ static int env_level(void) {
 }
 
 static void init_tables(void) {
+    ntx_portable_init();
     for (int i = 0; i < N_LEVELS; i++) tables[i] = ntx_kernels_portable;
     ntx_kernels_fill_avx2(&tables[NTX_CPU_AVX2]);
     ntx_kernels_fill_vnni(&tables[NTX_CPU_AVX512VNNI]);
