@@ -1,5 +1,5 @@
 /*
- * cpu_dot.c - portable C dot products of one weight row with up to 4 activation rows, per type,
+ * cpu_dot.c - portable C dot products of one weight row with up to 8 activation rows, per type,
  * in the integer-then-scale form of ggml's vec_dot_* (each block's integer sum is exact; only
  * the float accumulation order differs from ggml's SIMD kernels).
  *

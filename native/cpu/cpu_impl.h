@@ -130,8 +130,11 @@ static inline void q3_k_scales(const uint8_t *sc, int8_t out[16]) {
     } while (0)
 
 /* one weight row (k values) . n <= NTX_DOTN_MAX activation rows in the vec_dot format
-   (act_bytes apart) -> out[r * out_stride], reading the weight blocks once. Decode is n = 1. */
-#define NTX_DOTN_MAX 4
+   (act_bytes apart) -> out[r * out_stride], reading the weight blocks once. Decode is n = 1.
+   8 rather than 4 (measured on Zen 4, 14336x4096 from DRAM, 8 activation rows, against two
+   4-row passes): Q4_K 7.24 -> 6.72 ms on one thread (avx512; avx2 10.1 -> 9.3), Q5_K and Q6_K
+   9-16 % faster, Q4_0/Q4_1 4-10 %, Q8_0 0-7 %, F16/F32 5-24 %; 1 and 4 rows unchanged. */
+#define NTX_DOTN_MAX 8
 typedef void (*ntx_dotn_fn)(int64_t k, const void *w, const void *act, int64_t act_bytes, int n,
                             float *out, int64_t out_stride);
 
@@ -147,15 +150,20 @@ struct ntx_kernels {
     static void name(int64_t k, const void *w, const void *a, int64_t ab, int n, float *o,     \
                      int64_t os) {                                                             \
         const uint8_t *a8 = a;                                                                 \
+        const wtype *w8 = w;                                                                   \
         switch (n) {                                                                           \
-        case 1: body(k, (const wtype *)w, a8, ab, 1, o, os); break;                            \
-        case 2: body(k, (const wtype *)w, a8, ab, 2, o, os); break;                            \
-        case 3: body(k, (const wtype *)w, a8, ab, 3, o, os); break;                            \
-        default: body(k, (const wtype *)w, a8, ab, 4, o, os); break;                           \
+        case 1: body(k, w8, a8, ab, 1, o, os); break;                                          \
+        case 2: body(k, w8, a8, ab, 2, o, os); break;                                          \
+        case 3: body(k, w8, a8, ab, 3, o, os); break;                                          \
+        case 4: body(k, w8, a8, ab, 4, o, os); break;                                          \
+        case 5: body(k, w8, a8, ab, 5, o, os); break;                                          \
+        case 6: body(k, w8, a8, ab, 6, o, os); break;                                          \
+        case 7: body(k, w8, a8, ab, 7, o, os); break;                                          \
+        default: body(k, w8, a8, ab, 8, o, os); break;                                         \
         }                                                                                      \
     }
 
-_Static_assert(NTX_DOTN_MAX == 4, "NTX_DOTN instantiates row counts 1-4");
+_Static_assert(NTX_DOTN_MAX == 8, "NTX_DOTN instantiates row counts 1-8");
 
 extern const struct ntx_kernels ntx_kernels_portable;
 void ntx_portable_init(void);  /* its F16 table; before the first portable F16 kernel runs */

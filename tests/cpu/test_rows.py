@@ -1,11 +1,11 @@
 """Multi-row matmul (prefill chunks, the speculative verify pass) against the one-row path.
 
 Every kernel table (portable C, avx2, avx512vnni, avx512) has a multi-row kernel (`dotn`) for
-every weight type: it reads each weight block once for up to 4 activation rows. A row's value
+every weight type: it reads each weight block once for up to 8 activation rows. A row's value
 must not depend on how many rows shared the pass, so every oracle test of the one-row dot keeps
 its meaning. Checked bit for bit, for every type and every SIMD level this CPU has, for
-n = 1..9 (two full 4-row groups and a remainder), on matmul, matmul_many and the fused gate/up
-SwiGLU. The one-row reference is the same C entry point called with n = 1.
+n = 1..17 (every row count of a pass, two full 8-row groups and a remainder), on matmul,
+matmul_many and the fused gate/up SwiGLU. The one-row reference is the same C entry point called with n = 1.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _diff(a: np.ndarray, b: np.ndarray) -> str:
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_every_type_has_a_multi_row_kernel(kernels, simd, t):
     """No type on any level goes row by row (else the tests below would compare that loop with
-    itself and a 4-row pass would read the weights 4 times)."""
+    itself and an 8-row pass would read the weights 8 times)."""
     assert kernels.has_multi_row(t), f"{t.name} has no multi-row kernel on {simd}"
 
 
@@ -50,9 +50,9 @@ def test_n_rows_equal_one_row_bit_for_bit(kernels, simd, t):
     rng = np.random.default_rng(300 + int(t))
     rows, k = 13, _k_for(t)
     w = kernels.weight(t, random_blocks(t, rows * k, rng).reshape(-1), rows, k, "w")
-    x = rng.standard_normal((9, k)).astype(np.float32)
+    x = rng.standard_normal((17, k)).astype(np.float32)
     single = _one_by_one(lambda r: kernels.matmul_w(w, r), x)
-    for n in range(1, 10):
+    for n in range(1, 18):
         got = kernels.matmul_w(w, x[:n])
         assert got.tobytes() == single[:n].tobytes(), f"n={n}: " + _diff(got, single[:n])
 
@@ -66,7 +66,7 @@ def test_many_and_swiglu_n_rows_equal_one_row(kernels, simd, t):
     ws = [kernels.weight(ty, random_blocks(ty, r * k, rng).reshape(-1), r, k, f"w{i}")
           for i, (ty, r) in enumerate(zip(mix, (11, 5, 7)))]
     gate, up = (kernels.weight(t, random_blocks(t, 17 * k, rng).reshape(-1), 17, k, n) for n in ("g", "u"))
-    x = rng.standard_normal((7, k)).astype(np.float32)
+    x = rng.standard_normal((11, k)).astype(np.float32)  # one full 8-row group and a remainder
     many = kernels.matmul_many(ws, x)
     for i, w in enumerate(ws):
         single = _one_by_one(lambda r: kernels.matmul_w(w, r), x)
