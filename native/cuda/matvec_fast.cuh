@@ -153,14 +153,15 @@ __device__ __forceinline__ void load_group(uint4* r, const uint8_t* __restrict__
     }
 }
 
-// The units of one group (blocks g0.. of the row, staged at sg) against the n activation rows,
-// for the pipelined row: the loop of fast_row's register path (kept verbatim there so the default
-// build's code does not change), so both add the same terms in the same order, bit for bit.
+// The units of one group (blocks g0.. of the row, staged at sg) against the n activation rows:
+// lane u takes units u, u + 32, ..., so the register and the pipelined rows add the same terms in
+// the same order, bit for bit. (k32 = k / 32 comes from the caller: computed here, the default
+// build's code would change.)
 template <class F, int N>
 __device__ __forceinline__ void decode_group(const uint8_t* sg, int g0, int nb, const int8_t* __restrict__ xq,
                                              const float* __restrict__ xd, const float* __restrict__ xs,
-                                             int k, int n, int lane, float* acc) {
-    const int k32 = k / 32, units = min(F::G, nb - g0) * F::B::UNITS;
+                                             int k, int k32, int n, int lane, float* acc) {
+    const int units = min(F::G, nb - g0) * F::B::UNITS;
     for (int u = lane; u < units; u += 32) {
         const int bl = u / F::B::UNITS, j = u % F::B::UNITS;
         const int col32 = (g0 + bl) * (F::B::QK / 32) + j;  // global index of the 32 values
@@ -220,8 +221,8 @@ __device__ __forceinline__ void copy_group(uint8_t* st, const uint8_t* __restric
 template <class F, int N, int S>
 __device__ __forceinline__ void fast_row_pipelined(const uint8_t* __restrict__ wrow, int nb, int row_bytes,
                                                    const int8_t* __restrict__ xq, const float* __restrict__ xd,
-                                                   const float* __restrict__ xs, uint8_t* st, int k, int n,
-                                                   int lane, float* acc) {
+                                                   const float* __restrict__ xs, uint8_t* st, int k, int k32,
+                                                   int n, int lane, float* acc) {
     typedef FastGroup<F> Grp;
     const int stride = Grp::BYTES + 16;  // a multiple of 16: every stage is 16-byte aligned
 #pragma unroll
@@ -237,7 +238,7 @@ __device__ __forceinline__ void fast_row_pipelined(const uint8_t* __restrict__ w
         cp_async_commit();
         cp_async_wait<S - 1>();  // this lane's copies of group gi have landed
         __syncwarp();            // ... and every other lane's are visible
-        decode_group<F, N>(st + (gi % S) * stride, g0, nb, xq, xd, xs, k, n, lane, acc);
+        decode_group<F, N>(st + (gi % S) * stride, g0, nb, xq, xd, xs, k, k32, n, lane, acc);
         __syncwarp();  // the stage is free for the copy of the next step
     }
 }
@@ -254,8 +255,7 @@ __device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row,
 #pragma unroll
     for (int t = 0; t < N; ++t) acc[t] = 0.f;
 #if NTX_FAST_ASYNC > 1
-    (void)k32;
-    fast_row_pipelined<F, N, NTX_STAGES>(wrow, nb, row_bytes, xq, xd, xs, st, k, n, lane, acc);
+    fast_row_pipelined<F, N, NTX_STAGES>(wrow, nb, row_bytes, xq, xd, xs, st, k, k32, n, lane, acc);
 #else
     typedef FastGroup<F> Grp;
     uint4 r[Grp::CH];
@@ -272,20 +272,7 @@ __device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row,
         if (next < row_bytes) load_group<F>(r, wrow + next, min(Grp::BYTES, row_bytes - next), lane);
         const int ahead = (g0 + NTX_PF_AHEAD * F::G) * F::B::BYTES;
         if (NTX_PF_AHEAD > 0 && ahead < row_bytes) prefetch_l2(wrow + ahead, min(Grp::BYTES, row_bytes - ahead));
-        const int units = min(F::G, nb - g0) * F::B::UNITS;
-        for (int u = lane; u < units; u += 32) {
-            const int bl = u / F::B::UNITS, j = u % F::B::UNITS;
-            const int col32 = (g0 + bl) * (F::B::QK / 32) + j;  // global index of the 32 values
-#pragma unroll
-            for (int t = 0; t < N; ++t) {
-                if (t < n) {
-                    int x[8];
-                    ldx(xq + (size_t)t * k + 32 * (size_t)col32, x);
-                    const size_t si = (size_t)t * k32 + col32;
-                    acc[t] += __ldg(xd + si) * F::unit(st + bl * F::B::BYTES, j, x, __ldg(xs + si));
-                }
-            }
-        }
+        decode_group<F, N>(st, g0, nb, xq, xd, xs, k, k32, n, lane, acc);
         __syncwarp();
     }
 #endif
