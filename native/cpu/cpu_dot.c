@@ -59,12 +59,13 @@ ALWAYS_INLINE void p_float_body(int t, int64_t k, const uint8_t *w, const uint8_
     for (int r = 0; r < nr; r++) out[r * os] = s[r];
 }
 
-#define P_FLOAT(name, t)                                                                       \
+/* a type's body: its family's body with the type fixed (NTX_DOTN makes the 1..8-row kernels) */
+#define P_TYPED(name, family, t)                                                               \
     ALWAYS_INLINE void name(int64_t k, const uint8_t *w, const uint8_t *act, int64_t ab, int nr, \
-                            float *out, int64_t os) { p_float_body(t, k, w, act, ab, nr, out, os); }
-P_FLOAT(p_f32_body, T_F32)
-P_FLOAT(p_f16_body, T_F16)
-P_FLOAT(p_bf16_body, T_BF16)
+                            float *out, int64_t os) { family(t, k, w, act, ab, nr, out, os); }
+P_TYPED(p_f32_body, p_float_body, T_F32)
+P_TYPED(p_f16_body, p_float_body, T_F16)
+P_TYPED(p_bf16_body, p_float_body, T_BF16)
 
 /* ---------------------------------------------------------------------------- Q4_0 ... Q8_0 */
 
@@ -125,14 +126,11 @@ ALWAYS_INLINE void p_legacy_body(int t, int64_t k, const uint8_t *w, const uint8
     for (int r = 0; r < nr; r++) out[r * os] = s[r];
 }
 
-#define P_LEGACY(name, t)                                                                      \
-    ALWAYS_INLINE void name(int64_t k, const uint8_t *w, const uint8_t *act, int64_t ab, int nr, \
-                            float *out, int64_t os) { p_legacy_body(t, k, w, act, ab, nr, out, os); }
-P_LEGACY(p_q4_0_body, T_Q4_0)
-P_LEGACY(p_q4_1_body, T_Q4_1)
-P_LEGACY(p_q5_0_body, T_Q5_0)
-P_LEGACY(p_q5_1_body, T_Q5_1)
-P_LEGACY(p_q8_0_body, T_Q8_0)
+P_TYPED(p_q4_0_body, p_legacy_body, T_Q4_0)
+P_TYPED(p_q4_1_body, p_legacy_body, T_Q4_1)
+P_TYPED(p_q5_0_body, p_legacy_body, T_Q5_0)
+P_TYPED(p_q5_1_body, p_legacy_body, T_Q5_1)
+P_TYPED(p_q8_0_body, p_legacy_body, T_Q8_0)
 
 /* ---------------------------------------------------------------------------- K-quants */
 
@@ -251,14 +249,11 @@ ALWAYS_INLINE void p_k_body(int t, int64_t k, const uint8_t *w, const uint8_t *a
     for (int r = 0; r < nr; r++) out[r * os] = s[r];
 }
 
-#define P_K(name, t)                                                                           \
-    ALWAYS_INLINE void name(int64_t k, const uint8_t *w, const uint8_t *act, int64_t ab, int nr, \
-                            float *out, int64_t os) { p_k_body(t, k, w, act, ab, nr, out, os); }
-P_K(p_q2_k_body, T_Q2_K)
-P_K(p_q3_k_body, T_Q3_K)
-P_K(p_q4_k_body, T_Q4_K)
-P_K(p_q5_k_body, T_Q5_K)
-P_K(p_q6_k_body, T_Q6_K)
+P_TYPED(p_q2_k_body, p_k_body, T_Q2_K)
+P_TYPED(p_q3_k_body, p_k_body, T_Q3_K)
+P_TYPED(p_q4_k_body, p_k_body, T_Q4_K)
+P_TYPED(p_q5_k_body, p_k_body, T_Q5_K)
+P_TYPED(p_q6_k_body, p_k_body, T_Q6_K)
 
 /* ---------------------------------------------------------------------------- table */
 
