@@ -115,6 +115,14 @@ class WeightLoader:
         return ModelWeights(tok_embd, self.vector("output_norm.weight", c.n_embd), output, out, freqs)
 
 
+def close_owned_reader(source: Any) -> None:
+    """Close the storage reader tiers.build opened for a layer source (`owned_reader`), once."""
+    reader = getattr(source, "owned_reader", None)
+    if reader is not None:
+        source.owned_reader = None
+        reader.close()
+
+
 class ResidentLayers:
     """Layer weights that all sit in the backend already: `acquire` hands them out as they are.
     The streaming pipeline (`pipeline.py`) implements the same two calls over a slot ring."""
@@ -127,9 +135,7 @@ class ResidentLayers:
         return self.layers[i]
 
     def close(self) -> None:
-        if self.owned_reader is not None:
-            self.owned_reader, reader = None, self.owned_reader
-            reader.close()
+        close_owned_reader(self)
 
     def release(self, i: int) -> None:
         pass
@@ -150,7 +156,6 @@ class Transformer:
                 layers: Sequence[int] | None = None) -> np.ndarray:
         """Run tokens `ids` at positions start.. through `layers` (default: all, in order);
         returns logits (n or 1, vocab) as numpy float32."""
-        b = self.backend
         if start + len(ids) > self.n_ctx:
             raise ModelError(f"context length exceeded: {start + len(ids)} tokens > n_ctx {self.n_ctx}")
         pos = np.arange(start, start + len(ids))

@@ -25,6 +25,7 @@ import numpy as np
 
 from ntx_common.errors import ModelError, NtxIOError
 from ntx_engine.layout import LayerSpan
+from ntx_engine.model import close_owned_reader
 
 STALL_S = 120.0  # no progress for this long = the pipeline is stuck (dead disk, lost GPU)
 IO_ALIGN = 4096  # O_DIRECT and NVMe reads start and end on this boundary
@@ -115,10 +116,7 @@ class StreamingLayers:
                 except NtxIOError:  # a caller still holds weights over it: unregistered already,
                     pass  # the memory itself goes when the last view does
         self.ring.close()
-        owned = getattr(self, "owned_reader", None)  # a reader tiers.build opened for this model
-        if owned is not None:
-            self.owned_reader = None
-            owned.close()
+        close_owned_reader(self)  # a reader tiers.build opened for this model
 
     def begin(self, layers) -> None:
         """Called at the start of every pass: when it streams a different set of layers than the

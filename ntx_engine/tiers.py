@@ -13,7 +13,7 @@ import numpy as np
 
 from ntx_common.errors import UsageError
 from ntx_engine.layout import LayerSpan, layer_spans, resident_bytes
-from ntx_engine.model import LayerWeights, ModelWeights, ResidentLayers, WeightLoader
+from ntx_engine.model import LayerWeights, ModelWeights, ResidentLayers, WeightLoader, close_owned_reader
 from ntx_engine.pipeline import StreamingLayers
 from ntx_engine.planner import RAM_MARGIN, Budgets, Links, Plan, make_plan, workspace_bytes
 
@@ -281,7 +281,4 @@ class MmapBaseline:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        owned = getattr(self, "owned_reader", None)  # the streamed head's reader, if tiers.build opened one
-        if owned is not None:
-            self.owned_reader = None
-            owned.close()
+        close_owned_reader(self)  # the streamed head's reader, if build opened one

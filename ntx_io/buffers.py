@@ -107,8 +107,9 @@ class PinnedBuffer:
     """`nbytes` of page-locked, page-aligned host memory.
 
     hugepages: None tries 2 MiB pages and falls back to locked 4 KiB pages; True requires
-    them; False never uses them. numa_nodes: interleave the pages over these NUMA nodes. `view()`/`numpy()` expose the bytes; `close()` releases
-    them and refuses while views are alive or a device may still write into them.
+    them; False never uses them. numa_nodes: interleave the pages over these NUMA nodes.
+    `view()`/`numpy()` expose the bytes; `close()` releases them and refuses while views are
+    alive or a device may still write into them.
     """
 
     def __init__(self, nbytes: int, *, hugepages: bool | None = None, lock: bool = True,

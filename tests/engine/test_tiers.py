@@ -298,6 +298,8 @@ def test_cpu_only_40m_reads_the_head_from_storage(smollm2_path, resident, device
         assert (logits.argmax(-1) == ref["logits"].argmax(-1)).all()
     finally:
         eng.close()
+    with pytest.raises(RuntimeError, match="shutdown"):  # the reader opened for the head closed with the engine
+        table.reader.read_into(0, 16, np.empty(16, np.uint8))
 
 
 def test_cpu_only_budget_below_everything_names_the_minimum(smollm2_path):
