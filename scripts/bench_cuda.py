@@ -161,6 +161,38 @@ def kernel_table(backend, l2_bytes: int = 160 << 20) -> list[dict]:
     x2, xq2, xd2, xs2 = acts(14336)
     record("quanti_q8_k 14336", [lambda: k.quantize_int8(T.Q8_K, x2, xq2, xd2, xs2, b.stream)] * 64)
     record("add 4096", [lambda: k.add(x, dd, s2, b.stream)] * 64)
+    out += attention_table(b)
+    return out
+
+
+def attention_table(backend, contexts=(576, 4096), l2_bytes: int = 160 << 20) -> list[dict]:
+    """GPU time of one decode attention at Llama-3-8B heads (32 query, 8 KV, head_dim 128) over
+    T positions: the grid kernel against the two split kernels, each over enough KV caches that
+    they exceed the L2 cache (as a layer's cache does in a real step). GB/s counts K and V bytes."""
+    from ntx_engine.backends.cuda_driver import upload
+    from ntx_engine.backends.cuda_kernels import ATTN_CHUNK, grid_attn_shape
+
+    b, k, rng, out = backend, backend.k, np.random.default_rng(1), []
+    n_head, n_kv, hd = 32, 8, 128
+    for t in contexts:
+        kv = rng.standard_normal((t, n_kv * hd)).astype(np.float16)
+        caches = [(upload(b.pool, kv, b.stream), upload(b.pool, kv[::-1].copy(), b.stream))
+                  for _ in range(max(2, -(-l2_bytes // (2 * kv.nbytes))))]
+        q, o = b.from_numpy(rng.standard_normal((1, n_head * hd)).astype(np.float32)), b._new(1, n_head * hd)
+        pos = upload(b.pool, np.array([t - 1], np.int32), b.stream)
+        nb, _ = grid_attn_shape(n_head, n_kv, hd, t, b.device.sm_count, b.device.max_smem_optin)
+        grid = (b._new(n_head, nb), b._new(n_head, nb, dtype=np.float64), b._new(n_head, nb, hd),
+                upload(b.pool, np.zeros(3 * n_kv, np.uint32), b.stream))
+        nchunk = -(-t // ATTN_CHUNK)
+        split = (b._new(n_head, t), b._new(n_head, nchunk), b._new(n_head, nchunk, hd),
+                 upload(b.pool, np.zeros(n_kv, np.uint32), b.stream), upload(b.pool, np.zeros(n_kv, np.uint32), b.stream),
+                 b._new(n_head), b._new(n_head, dtype=np.float64))
+        scale = float(1 / np.sqrt(hd))
+        for name, fn, sc in (("attn_grid", k.attention_grid, grid), ("attn_gqa (2 kernels)", k.attention_gqa, split)):
+            fns = [lambda kc=kc, vc=vc: fn(q, kc, vc, o, pos, n_head, n_kv, hd, t, scale, sc, b.stream)
+                   for kc, vc in caches * 2]
+            us = graph_us(b, fns)
+            out.append(dict(kernel=f"{name} T={t}", us=round(us, 2), gb_s=round(2 * kv.nbytes / us / 1e3, 1)))
     return out
 
 
@@ -254,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp"))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--matvec", choices=["fast", "staged", "direct"], default="fast", help="matvec kernel variant")
-    ap.add_argument("--attn", choices=["split", "single"], default="split", help="decode attention variant")
+    ap.add_argument("--attn", choices=["grid", "split", "single"], default="grid", help="decode attention variant")
     a = ap.parse_args(argv)
     path = synthetic_model(a.synthetic, a.workdir) if a.synthetic else a.model
     res = run(path, a.prompt, a.decode, a.n_ctx, a.matvec, a.attn)

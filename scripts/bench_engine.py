@@ -34,7 +34,7 @@ def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None, tup
     flags = {f.split("=")[0]: f for f in parts[2:]}
     fuse = flags.get("fuse", "none")
     fuse = "all" if fuse == "fuse" else fuse.removeprefix("fuse=").replace("+", ",")
-    if len(parts) < 2 or parts[0] not in ("fast", "staged", "direct") or parts[1] not in ("split", "single") \
+    if len(parts) < 2 or parts[0] not in ("fast", "staged", "direct") or parts[1] not in ("grid", "split", "single") \
             or not set(flags) <= {"pdl", "fuse", "mmq", "gemm", "nogemm", "async", "preload"}:
         raise argparse.ArgumentTypeError(f"variant {text!r}: expected MATVEC/ATTN[/pdl][/fuse[=A+B]][/mmq][/async=S]"
                                          "[/preload], "

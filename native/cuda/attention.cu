@@ -4,16 +4,7 @@
 // their dot products, the softmax sum in double.
 #include "ntx_half.cuh"
 #include "matvec_fast.cuh"  // the int8 activation quantizers (fused output quantization)
-
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-__device__ __forceinline__ double warp_sum_d(double v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
+#include "attn_common.cuh"
 
 __device__ float block_max(float v, float* red) {
     v = warp_max(v);
@@ -106,29 +97,6 @@ extern "C" __global__ void attention(const float* __restrict__ q, const uint16_t
 #ifndef NTX_ATTN_PRELOAD
 #define NTX_ATTN_PRELOAD 0
 #endif
-
-// V = head_dim / 32 consecutive fp16 values of a K row, lane's share, as floats (vector loads:
-// rows start 64-byte aligned since kv_dim is a multiple of 32).
-template <int V>
-__device__ __forceinline__ void ld_halves(const uint16_t* p, float* f) {
-    if constexpr (V % 4 == 0) {
-#pragma unroll
-        for (int i = 0; i < V; i += 4) {
-            const uint2 w = *reinterpret_cast<const uint2*>(p + i);
-            f[i] = ntx_h2f((uint16_t)(w.x & 0xffffu)); f[i + 1] = ntx_h2f((uint16_t)(w.x >> 16));
-            f[i + 2] = ntx_h2f((uint16_t)(w.y & 0xffffu)); f[i + 3] = ntx_h2f((uint16_t)(w.y >> 16));
-        }
-    } else if constexpr (V % 2 == 0) {
-#pragma unroll
-        for (int i = 0; i < V; i += 2) {
-            const uint32_t w = *reinterpret_cast<const uint32_t*>(p + i);
-            f[i] = ntx_h2f((uint16_t)(w & 0xffffu)); f[i + 1] = ntx_h2f((uint16_t)(w >> 16));
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < V; ++i) f[i] = ntx_h2f(p[i]);
-    }
-}
 
 // The softmax statistics of query head h over positions 0..T-1, by one warp: the global max M of
 // the used chunk maxima and the double sum of exp(s - M). __ldcg: other SMs wrote these values in

@@ -118,21 +118,15 @@ extern "C" __global__ void rope_kv(const float* __restrict__ q, const float* __r
 // Row blockIdx.x: s = x + d (skipped when d is null: the norm reads x), out = rmsnorm(s) * w, and
 // when qmode != 0 out quantized as quanti_q8_1 (qmode 1, k % 32 == 0) or quanti_q8_k (qmode 2,
 // k % 256 == 0) would: ops.cu's add and rmsnorm and matvec_fast.cu's quantizer in one block.
-extern "C" __global__ void add_rmsnorm_quanti(const float* __restrict__ x, const float* __restrict__ d,
+extern "C" __global__ void __launch_bounds__(NTX_NORM_THREADS) add_rmsnorm_quanti(const float* __restrict__ x, const float* __restrict__ d,
                                               float* __restrict__ s, const float* __restrict__ w,
                                               float* __restrict__ out, int8_t* xq, float* xd, float* xs, int k,
                                               float eps, int qmode) {
     NTX_PDL();
     __shared__ double part[32];
     const size_t r = blockIdx.x;
-    const float* xr = x + r * k;
-    if (d != nullptr) {
-        float* sr = s + r * k;
-        for (int i = threadIdx.x; i < k; i += blockDim.x) sr[i] = __fadd_rn(xr[i], d[r * k + i]);
-        xr = sr;  // the norm reads each thread's own elements back: no barrier needed
-    }
-    float* outr = out + r * k;
-    ntx_rmsnorm_row(xr, w, outr, k, eps, part);
+    ntx_add_rmsnorm_row(x + r * k, d != nullptr ? d + r * k : nullptr, d != nullptr ? s + r * k : nullptr, w,
+                        out + r * k, k, eps, part);
     if (qmode == 0) return;
     __syncthreads();  // the row's values, written by the whole block, are visible to every warp
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;

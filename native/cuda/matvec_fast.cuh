@@ -318,10 +318,10 @@ __device__ __forceinline__ void fast_row_any(int type, const uint8_t* W, int row
 // The same quantizers as matvec.cu's quant_q8_1 / quant_q8_k (act_quant.cuh's scalar steps), so
 // xd * xq equals their x_hat exactly (Q8_0/Q8_1) or before its one float rounding (Q8_K).
 
-// One 32-value block b of x (Q8_0/Q8_1 scale) by one warp.
-__device__ __forceinline__ void quanti_q8_1_block(const float* x, int8_t* xq, float* xd, float* xs, size_t b,
-                                                  int lane) {
-    const float v = x[32 * b + lane];
+// One 32-value block b (Q8_0/Q8_1 scale; values at xb, anywhere: global or shared memory) by one warp.
+__device__ __forceinline__ void quanti_q8_1_from(const float* xb, int8_t* xq, float* xd, float* xs, size_t b,
+                                                 int lane) {
+    const float v = xb[lane];
     float d, inv;
     ntx_q8_scale(fwarp_max(fabsf(v)), &d, &inv);
     const float q = ntx_q8_q(v, inv);
@@ -333,10 +333,14 @@ __device__ __forceinline__ void quanti_q8_1_block(const float* x, int8_t* xq, fl
     }
 }
 
-// One 256-value block b of x (Q8_K) by one warp.
-__device__ __forceinline__ void quanti_q8_k_block(const float* x, int8_t* xq, float* xd, float* xs, size_t b,
+__device__ __forceinline__ void quanti_q8_1_block(const float* x, int8_t* xq, float* xd, float* xs, size_t b,
                                                   int lane) {
-    const float* xb = x + 256 * b;
+    quanti_q8_1_from(x + 32 * b, xq, xd, xs, b, lane);
+}
+
+// One 256-value block b (Q8_K, values at xb) by one warp.
+__device__ __forceinline__ void quanti_q8_k_from(const float* xb, int8_t* xq, float* xd, float* xs, size_t b,
+                                                 int lane) {
     float v[8];
     const int idx = ntx_q8k_pivot_warp(xb, v, lane);
     float iscale, d;
@@ -351,5 +355,10 @@ __device__ __forceinline__ void quanti_q8_k_block(const float* x, int8_t* xq, fl
             xs[8 * b + i] = sum;
         }
     }
+}
+
+__device__ __forceinline__ void quanti_q8_k_block(const float* x, int8_t* xq, float* xd, float* xs, size_t b,
+                                                  int lane) {
+    quanti_q8_k_from(x + 256 * b, xq, xd, xs, b, lane);
 }
 

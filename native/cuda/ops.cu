@@ -4,7 +4,7 @@
 #include "ops.cuh"
 
 // out (n, k) = x * (1 / sqrt(mean(x^2) + eps)) * w; the mean is summed in double as ggml does.
-extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __restrict__ w,
+extern "C" __global__ void __launch_bounds__(NTX_NORM_THREADS) rmsnorm(const float* __restrict__ x, const float* __restrict__ w,
                                    float* __restrict__ out, int k, float eps) {
     NTX_PDL();
     __shared__ double part[32];

@@ -1,13 +1,19 @@
-// One row of RMSNorm, shared by ops.cu's rmsnorm and matvec_fast.cu's rmsnorm_quanti so both
-// give bit-identical rows: out = x * (1 / sqrt(mean(x^2) + eps)) * w, the mean summed in double
-// as ggml does. The whole block works on the row; part: 32 doubles of shared memory.
+// One row of RMSNorm, shared by ops.cu's rmsnorm and fused.cu's add_rmsnorm_quanti so both give
+// bit-identical rows: out = x * (1 / sqrt(mean(x^2) + eps)) * w, the mean summed in double as
+// ggml does. The whole block works on the row; part: 32 doubles of shared memory.
+//
+// A thread's elements are i = threadIdx.x + j * blockDim.x, summed in ascending j. Rows of at most
+// NTX_NORM_REGS * blockDim.x values (8192 with 1024 threads) are read once into registers, all
+// loads in flight together: a decode step's norm is one row, so its time is memory latency, and a
+// loop that loads, adds and stores one element a turn pays it once a turn.
 #pragma once
 #include "ntx_half.cuh"
 
-__device__ __forceinline__ void ntx_rmsnorm_row(const float* __restrict__ xr, const float* __restrict__ w,
-                                                float* __restrict__ outr, int k, float eps, double* part) {
-    double s = 0.0;
-    for (int i = threadIdx.x; i < k; i += blockDim.x) s += (double)xr[i] * (double)xr[i];
+#define NTX_NORM_REGS 8
+#define NTX_NORM_THREADS 1024  // cuda_kernels.NORM_THREADS: the kernels' launch bounds (64 registers a thread)
+
+// The block's total of the threads' partial sums s (warp butterflies, then warp 0's in order).
+__device__ __forceinline__ double ntx_block_total(double s, double* part) {
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
     __syncthreads();
@@ -17,7 +23,58 @@ __device__ __forceinline__ void ntx_rmsnorm_row(const float* __restrict__ xr, co
         part[0] = t;
     }
     __syncthreads();
-    const float mean = (float)(part[0] / (double)k);
-    const float scale = 1.0f / sqrtf(mean + eps);
-    for (int i = threadIdx.x; i < k; i += blockDim.x) outr[i] = __fmul_rn(__fmul_rn(xr[i], scale), w[i]);
+    return part[0];
+}
+
+__device__ __forceinline__ float ntx_norm_scale(double total, int k, float eps) {
+    const float mean = (float)(total / (double)k);
+    return 1.0f / sqrtf(mean + eps);
+}
+
+// s = x + d (d null: s = x; s_out null: not stored), out = rmsnorm(s) * w.
+__device__ __forceinline__ void ntx_add_rmsnorm_row(const float* __restrict__ xr, const float* __restrict__ dr,
+                                                    float* __restrict__ s_out, const float* __restrict__ w,
+                                                    float* __restrict__ outr, int k, float eps, double* part) {
+    const int bd = blockDim.x;
+    if (k <= NTX_NORM_REGS * bd) {
+        float v[NTX_NORM_REGS], wv[NTX_NORM_REGS];
+#pragma unroll
+        for (int j = 0; j < NTX_NORM_REGS; ++j) {
+            const int i = threadIdx.x + j * bd;
+            if (i < k) {
+                v[j] = dr != nullptr ? __fadd_rn(xr[i], dr[i]) : xr[i];
+                wv[j] = w[i];
+            }
+        }
+        double s = 0.0;
+#pragma unroll
+        for (int j = 0; j < NTX_NORM_REGS; ++j)
+            if (threadIdx.x + j * bd < k) s += (double)v[j] * (double)v[j];
+        const float scale = ntx_norm_scale(ntx_block_total(s, part), k, eps);
+#pragma unroll
+        for (int j = 0; j < NTX_NORM_REGS; ++j) {
+            const int i = threadIdx.x + j * bd;
+            if (i < k) {
+                if (s_out != nullptr) s_out[i] = v[j];
+                outr[i] = __fmul_rn(__fmul_rn(v[j], scale), wv[j]);
+            }
+        }
+        return;
+    }
+    double s = 0.0;  // longer rows: the same sums, element by element
+    for (int i = threadIdx.x; i < k; i += bd) {
+        const float v = dr != nullptr ? __fadd_rn(xr[i], dr[i]) : xr[i];
+        if (s_out != nullptr) s_out[i] = v;
+        s += (double)v * (double)v;
+    }
+    const float scale = ntx_norm_scale(ntx_block_total(s, part), k, eps);
+    for (int i = threadIdx.x; i < k; i += bd) {
+        const float v = s_out != nullptr ? s_out[i] : xr[i];  // the thread's own stores: no barrier needed
+        outr[i] = __fmul_rn(__fmul_rn(v, scale), w[i]);
+    }
+}
+
+__device__ __forceinline__ void ntx_rmsnorm_row(const float* __restrict__ xr, const float* __restrict__ w,
+                                                float* __restrict__ outr, int k, float eps, double* part) {
+    ntx_add_rmsnorm_row(xr, nullptr, nullptr, w, outr, k, eps, part);
 }

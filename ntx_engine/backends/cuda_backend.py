@@ -26,11 +26,12 @@ from ntx_common.errors import UnsupportedQuantError, UsageError
 from ntx_engine import quants
 from ntx_engine.backends.cuda_driver import DeviceArray, MemoryPool, Stream, Device, download, upload
 from ntx_engine.backends.cuda_kernels import (ATTN_CHUNK, BLOCK_ELEMENTS, KERNEL_TYPES, MATVEC_MAX_TOKENS, MMQ_TYPES,
-                                             Kernels, fast_matvec_ok, gqa_split_ok)
+                                             Kernels, fast_matvec_ok, gqa_split_ok, grid_attn_shape)
 from ntx_engine.config import ROPE_NEOX, ModelConfig
 from ntx_engine.quants import GGMLType
 
 FUSIONS = ("qkv", "ffn", "rope", "norm", "attn")
+ATTN_VARIANTS = ("grid", "split", "single")
 # prefill GEMM (dequant.cu + cuBLAS): a matmul of at least GEMM_MIN_TOKENS rows decodes the weight
 # to fp16 in slabs of at most GEMM_SLAB_BYTES and runs one tensor-core GEMM per slab
 GEMM_MIN_TOKENS = 32
@@ -87,10 +88,13 @@ class CudaBackend:
         if kv_dtype != "f16":
             raise UsageError(f"the CUDA backend keeps its KV cache in f16 only, not {kv_dtype!r}")
         self.matmul_mode = matmul_mode
-        # "split": decode attention in ATTN_CHUNK-position blocks (flash-decoding); "single": one block a head
-        self.attn = attn or os.environ.get("NTX_CUDA_ATTN", "split")
-        if self.attn not in ("split", "single"):
-            raise UsageError(f"attention variant must be 'split' or 'single', got {self.attn!r} (NTX_CUDA_ATTN)")
+        # decode attention: "grid" one launch whose blocks meet at barriers inside it (attn_grid.cu;
+        # "split" where the context is too long for it), "split" two launches over ATTN_CHUNK-position
+        # blocks (flash-decoding), "single" one block a head
+        self.attn = attn or os.environ.get("NTX_CUDA_ATTN", "grid")
+        if self.attn not in ATTN_VARIANTS:
+            raise UsageError(f"attention variant must be one of {', '.join(ATTN_VARIANTS)}, got {self.attn!r} "
+                             "(NTX_CUDA_ATTN)")
         self.device = Device(device)
         self.stream = Stream()
         self.pool = MemoryPool()
@@ -400,7 +404,16 @@ class CudaBackend:
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         out = self._new(n, c.q_dim)
         scale = float(np.float32(1.0 / np.sqrt(c.head_dim)))
-        if self.attn == "split" and n == 1 and gqa_split_ok(c.n_head, c.n_head_kv, c.head_dim):
+        grid = self._grid_shape() if self.attn == "grid" and n == 1 else None
+        if grid is not None:
+            nb = grid[0]
+            scratch = (self._new(c.n_head, nb), self._new(c.n_head, nb, dtype=np.float64),
+                       self._new(c.n_head, nb, c.head_dim), self._grid_counters)
+            self.k.attention_grid(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, self.n_ctx, scale,
+                                  scratch, self.stream, self._attn_quant(out))
+            self._last_attn = out
+            return out
+        if self.attn != "single" and n == 1 and gqa_split_ok(c.n_head, c.n_head_kv, c.head_dim):
             nchunk = -(-self.n_ctx // ATTN_CHUNK)
             scratch = (self._new(c.n_head, self.n_ctx), self._new(c.n_head, nchunk),
                        self._new(c.n_head, nchunk, c.head_dim), *self._attn_stats)
@@ -412,6 +425,10 @@ class CudaBackend:
         self.k.attention(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, self.n_ctx, scale,
                          self.stream)
         return out
+
+    def _grid_shape(self) -> tuple[int, int] | None:
+        c, dev = self._model(), self.k.device
+        return grid_attn_shape(c.n_head, c.n_head_kv, c.head_dim, self.n_ctx, dev.sm_count, dev.max_smem_optin)
 
     def _attn_quant(self, out: DeviceArray) -> tuple | None:
         """"attn": (xq, xd, xs, qmode) for the decode attention to quantize out as the matmul
@@ -480,6 +497,8 @@ class CudaBackend:
         self._attn_stats = (upload(self.pool, np.zeros(cfg.n_head_kv, np.uint32), self.stream),
                             upload(self.pool, np.zeros(cfg.n_head_kv, np.uint32), self.stream),
                             self._new(cfg.n_head), self._new(cfg.n_head, dtype=np.float64))
+        # the grid attention's three per-KV-head barrier counters (zero between launches)
+        self._grid_counters = upload(self.pool, np.zeros(3 * cfg.n_head_kv, np.uint32), self.stream)
         self._last_attn, self._attn_key = None, None
         self.pos_buf = self._new(n_ctx, dtype=np.int32)
         self.ids_buf = self._new(n_ctx, dtype=np.int32)

@@ -32,6 +32,9 @@ ATTN_CHUNK = 64  # positions per block of the split (flash-decoding) attention, 
 ATTN_SPLIT_THREADS = 256
 ATTN_GQA_V = (2, 3, 4, 8)  # head_dim / 32 of the attn_gqa_* kernels
 ATTN_GMAX, ATTN_QMAX = 16, 4096  # query heads per KV head, and their values, the kernels hold
+# attn_grid.cu: blocks a KV head at most (AG_NBMAX), positions a block at least (AG_MINR), its
+# static shared memory (q of the group and the statistics)
+GRID_NBMAX, GRID_MINR, GRID_STATIC_SMEM = 32, 16, 17 * 1024
 # "fast" (default): matvec_fast.cu's dp4a kernels for FAST_TYPES, "staged" for the others;
 # "staged": blocks copied to shared memory with wide loads, float decode; "direct": byte loads
 MATVEC_VARIANTS = {"fast": "matvec", "staged": "matvec", "direct": "matvecd"}
@@ -62,6 +65,21 @@ def gqa_split_ok(n_head: int, n_kv: int, head_dim: int) -> bool:
     return head_dim % 32 == 0 and head_dim // 32 in ATTN_GQA_V and g <= ATTN_GMAX and g * head_dim <= ATTN_QMAX
 
 
+def grid_attn_shape(n_head: int, n_kv: int, head_dim: int, n_ctx: int, sm_count: int,
+                    smem_optin: int) -> tuple[int, int] | None:
+    """(blocks a KV head, positions a block at most) of the one-launch decode attention
+    (attn_grid.cu), or None when it cannot run. Its blocks wait for each other inside the kernel,
+    so the whole grid must be resident at once: at most one block an SM; the scores of a block's
+    positions must fit its shared memory (else the two split kernels take the layout)."""
+    if not gqa_split_ok(n_head, n_kv, head_dim) or n_kv > sm_count:
+        return None
+    nb = min(GRID_NBMAX, sm_count // n_kv)
+    rmax = max(_cdiv(n_ctx, nb), GRID_MINR)
+    if GRID_STATIC_SMEM + 4 * (n_head // n_kv) * rmax > smem_optin:
+        return None
+    return nb, rmax
+
+
 def fast_matvec_ok(t: GGMLType, ptr: int, k: int) -> bool:
     """The dp4a kernels stream 16-byte aligned chunks: the tensor must start 16-byte aligned and
     every row be a whole number of 16 bytes (true for Llama shapes; Q6_K needs k % 2048 == 0)."""
@@ -86,7 +104,7 @@ class Kernels:
         self.profile: list | None = None  # (name, start Event, end Event) per launch while a list
         self.modules = {src: Module(cuda_nvrtc.cached_cubin(src, device.arch, cache_dir), src)
                         for src in cuda_nvrtc.SOURCES}
-        self._attn_smem_limit = 48 * 1024
+        self._smem_limits: dict[tuple[str, str], int] = {}  # dynamic shared memory allowed so far
         self.fast_rows = fast_rows()
 
     def fn(self, source: str, name: str):
@@ -272,10 +290,27 @@ class Kernels:
                  (scores, gmax, gsum, vc, part, out, pos, n_head, n_kv, n_ctx, count_p, xq, xd, xs, int(qmode)),
                  stream)
 
-    def _allow_smem(self, source: str, name: str, smem: int) -> None:
-        if smem <= self._attn_smem_limit:
+    def attention_grid(self, q, kc, vc, out, pos, n_head, n_kv, head_dim, n_ctx, scale, scratch, stream,
+                       quant=None) -> None:
+        """Decode attention of one token in one launch (attn_grid.cu), grid (nb, n_kv) from
+        grid_attn_shape, which must not be None. scratch = (cmax (n_head, nb) float32, psum
+        (n_head, nb) float64, part (n_head, nb, head_dim) float32, 3 * n_kv uint32 counters that
+        start at zero (the kernel leaves them so)); quant as attention_gqa's."""
+        nb, rmax = grid_attn_shape(n_head, n_kv, head_dim, n_ctx, self.device.sm_count, self.device.max_smem_optin)
+        cmax, psum, part, counters = scratch
+        xq, xd, xs, qmode = quant if quant is not None else (None, None, None, 0)
+        name, smem = f"attn_grid_{head_dim // 32}", 4 * (n_head // n_kv) * rmax
+        self._allow_smem("attn_grid.cu", name, smem, GRID_STATIC_SMEM)
+        self._go("attn_grid.cu", name, (nb, n_kv), (ATTN_SPLIT_THREADS,),
+                 (q, kc, vc, out, pos, n_head, n_kv, nb, rmax, float(scale), cmax, psum, part, counters, xq, xd, xs,
+                  int(qmode)), stream, smem)
+
+    def _allow_smem(self, source: str, name: str, smem: int, static: int = 0) -> None:
+        """Opt the kernel in to `smem` bytes of dynamic shared memory next to its `static` bytes
+        (48 KiB in all need no opt-in)."""
+        if smem + static <= 48 * 1024 or smem <= self._smem_limits.get((source, name), 0):
             return
-        if smem > self.device.max_smem_optin:
+        if smem + static > self.device.max_smem_optin:
             from ntx_common.errors import CudaError
 
             raise CudaError(f"attention needs {smem} bytes of shared memory for this context; the GPU allows "
@@ -284,4 +319,4 @@ class Kernels:
         check(drv.cuFuncSetAttribute(self.fn(source, name),
                                      drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
               f"cuFuncSetAttribute({name}, max dynamic smem {smem})")
-        self._attn_smem_limit = smem
+        self._smem_limits[(source, name)] = smem

@@ -14,7 +14,8 @@ from pathlib import Path
 from ntx_common.errors import CudaError
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "native" / "cuda"
-SOURCES = ("matvec.cu", "matvec_fast.cu", "fused.cu", "mmq.cu", "dequant.cu", "ops.cu", "attention.cu")
+SOURCES = ("matvec.cu", "matvec_fast.cu", "fused.cu", "mmq.cu", "dequant.cu", "ops.cu", "attention.cu",
+           "attn_grid.cu")
 OPTIONS = ("-std=c++17", "-default-device", "-lineinfo")
 # the dp4a matvec's launch-shape macros (NTX_G_*, NTX_FAST_WARPS, NTX_FAST_MINB, NTX_FAST_ASYNC;
 # matvec_fast.cuh) and attention.cu's NTX_ATTN_PRELOAD can be set for a tuning run with

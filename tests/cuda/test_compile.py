@@ -203,3 +203,48 @@ def test_gqa_attention_kernels_present(arch):
     assert gqa_split_ok(32, 8, 128) and gqa_split_ok(9, 3, 64) and gqa_split_ok(64, 8, 128)
     assert not gqa_split_ok(32, 8, 80)  # head_dim not whole 32-value lanes
     assert not gqa_split_ok(64, 2, 128)  # 32 query heads a KV head: more than the kernels hold
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_grid_attention_kernels_present(arch):
+    """The one-launch decode attention (attn_grid.cu) for every head_dim the split kernels take,
+    with its static shared memory within what cuda_kernels reserves for it."""
+    from ntx_engine.backends.cuda_kernels import ATTN_GQA_V
+
+    cubin, _ = cuda_nvrtc.compile_cubin("attn_grid.cu", arch)
+    for v in ATTN_GQA_V:
+        assert f"attn_grid_{v}\0".encode() in cubin, f"attn_grid_{v} missing from the cubin"
+
+
+def test_grid_attention_shape():
+    """Blocks a KV head and positions a block: every block resident at once (the kernel's blocks
+    wait for each other), the scores in shared memory, else None (the split kernels run)."""
+    from ntx_engine.backends.cuda_kernels import GRID_NBMAX, GRID_STATIC_SMEM, grid_attn_shape
+
+    h200 = dict(sm_count=132, smem_optin=227 * 1024)
+    assert grid_attn_shape(32, 8, 128, 1024, **h200) == (16, 64)  # Llama-3-8B: 128 blocks on 132 SMs
+    assert grid_attn_shape(9, 3, 64, 8192, **h200) == (GRID_NBMAX, 256)  # few KV heads: at most 32 a head
+    assert grid_attn_shape(32, 8, 128, 40, **h200) == (16, 16)  # at least 16 positions a block
+    assert grid_attn_shape(64, 8, 128, 131072, **h200) is None  # 8 heads x 8192 scores: 256 KiB
+    assert grid_attn_shape(32, 8, 80, 1024, **h200) is None  # not a split-kernel layout
+    assert grid_attn_shape(32, 32, 128, 1024, sm_count=16, smem_optin=227 * 1024) is None  # more KV heads than SMs
+    for n_head, n_kv, n_ctx in ((32, 8, 1024), (9, 3, 8192), (64, 8, 32768), (16, 2, 4096)):
+        nb, rmax = grid_attn_shape(n_head, n_kv, 128, n_ctx, **h200)
+        assert nb * n_kv <= 132 and nb * rmax >= n_ctx
+        assert GRID_STATIC_SMEM + 4 * (n_head // n_kv) * rmax <= 227 * 1024
+
+
+@pytest.mark.parametrize("source,kernels", [("ops.cu", ("rmsnorm",)), ("fused.cu", ("add_rmsnorm_quanti",))])
+def test_norm_kernels_fit_their_block(source, kernels, monkeypatch):
+    """The norms run 1024 threads a block (cuda_kernels.NORM_THREADS): 64 registers a thread at
+    most, or the launch fails with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES on the GPU."""
+    import re
+
+    from ntx_engine.backends.cuda_kernels import NORM_THREADS
+
+    monkeypatch.setattr(cuda_nvrtc, "OPTIONS", cuda_nvrtc.OPTIONS + ("--ptxas-options=-v",))
+    _, log = cuda_nvrtc.compile_cubin(source, "sm_90")
+    for kernel in kernels:
+        used = re.search(rf"Function properties for {kernel}\n.*?\nptxas info\s*: Used (\d+) registers", log, re.S)
+        assert used, f"no register count for {kernel} in the ptxas log"
+        assert int(used.group(1)) * NORM_THREADS <= 65536, f"{kernel}: {used.group(1)} registers a thread"

@@ -18,12 +18,12 @@ pytestmark = pytest.mark.gpu
 T = GGMLType
 
 
-def _backends(cfg=None, n_ctx=64, freqs=None):
+def _backends(cfg=None, n_ctx=64, freqs=None, attn=None):
     """(fused, unfused) CUDA backends, set up for cfg when given (tests take the cuda_backend
     fixture first: it skips them where no GPU is usable)."""
     from ntx_engine.backends.cuda_backend import CudaBackend
 
-    pair = CudaBackend(fuse="all"), CudaBackend(fuse="none")
+    pair = CudaBackend(fuse="all", attn=attn), CudaBackend(fuse="none", attn=attn)
     if cfg is not None:
         for b in pair:
             b.set_model(cfg, n_ctx, freqs)
@@ -150,12 +150,13 @@ def test_add_rmsnorm_quantize_in_one_kernel(cuda_backend, synth, fmt, n):
     assert _rel(res[0][1], NumpyBackend().rmsnorm(a + d, g, 1e-5)) < 1e-6
 
 
+@pytest.mark.parametrize("attn", ["grid", "split"])
 @pytest.mark.parametrize("t", [T.Q4_K, T.Q8_0], ids=["q8_k", "q8_1"])
 @pytest.mark.parametrize("head_dim,n_head,n_head_kv", [(128, 32, 8), (64, 8, 2)])
-def test_decode_attention_quantizes_for_the_o_projection(cuda_backend, synth, t, head_dim, n_head, n_head_kv):
-    """"attn": once the o projection has asked for its activation format, the split decode
-    attention's last block quantizes the output itself (no quanti launch), and the attention
-    output and the matmul after it are bit-identical to the unfused kernels."""
+def test_decode_attention_quantizes_for_the_o_projection(cuda_backend, synth, t, head_dim, n_head, n_head_kv, attn):
+    """"attn": once the o projection has asked for its activation format, the decode attention's
+    last block (grid or split kernels) quantizes the output itself (no quanti launch), and the
+    attention output and the matmul after it are bit-identical to the unfused kernels."""
     from ntx_engine.backends.cuda_kernels import gqa_split_ok
 
     assert gqa_split_ok(n_head, n_head_kv, head_dim)
@@ -163,7 +164,7 @@ def test_decode_attention_quantizes_for_the_o_projection(cuda_backend, synth, t,
                       n_head_kv=n_head_kv, head_dim=head_dim, rope_dim=head_dim, rope_base=10000.0,
                       rope_type="norm", rope_freq_scale=1.0, has_rope_freqs=False, rms_eps=1e-5,
                       context_length=512, vocab_size=16, tied_embeddings=True, qkv_bias=False)
-    fused, plain = _backends(cfg, 200)
+    fused, plain = _backends(cfg, 200, attn=attn)
     k = cfg.q_dim
     (_, _, raw), = _weights(synth, [(t, 48)], k, 9)
     rng = np.random.default_rng(head_dim)
@@ -181,6 +182,8 @@ def test_decode_attention_quantizes_for_the_o_projection(cuda_backend, synth, t,
             outs += [b.to_numpy(o), b.to_numpy(y)]
             start += q.shape[0]
         res.append(outs)
+        kernel = "attn_grid_" if attn == "grid" else "attn_gqa_pv_"
+        assert all(any(x.startswith(kernel) for x in step) for step in names[1:]), names  # the variant under test
         if b is fused:  # step 1 learns the format, steps 2 and 3 use it
             assert any(x.startswith("quanti") for x in names[1]), names[1]
             assert not any(x.startswith("quanti") for x in names[2] + names[3]), names[2:]

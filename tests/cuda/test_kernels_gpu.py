@@ -153,7 +153,7 @@ def test_rope_matches_numpy(cuda_backend, rope_type, rope_dim, freq_scale, freqs
     _rel_err(out, cpu.rope(x, pos, cfg.n_head), f"rope {rope_type} dim {rope_dim} fs {freq_scale} ff {freqs}", 1e-5)
 
 
-@pytest.mark.parametrize("attn", ["split", "single"])
+@pytest.mark.parametrize("attn", ["grid", "split", "single"])
 @pytest.mark.parametrize("head_dim,n_head,n_head_kv", [(64, 8, 2), (128, 4, 4), (64, 9, 3), (96, 6, 2), (256, 16, 2),
                                                       (128, 32, 8), (80, 4, 2)])
 def test_attention_prefill_then_decode(cuda_backend, head_dim, n_head, n_head_kv, attn):
@@ -170,7 +170,12 @@ def test_attention_prefill_then_decode(cuda_backend, head_dim, n_head, n_head_kv
         v = rng.standard_normal((n, cfg.kv_dim)).astype(np.float32)
         for layer in (0, 1):
             ref = cpu.attention(q, k, v, layer, start)
+            gpu.k.profile = []
             out = gpu.to_numpy(gpu.attention(gpu.from_numpy(q), gpu.from_numpy(k), gpu.from_numpy(v), layer, start))
+            ran, gpu.k.profile = {name for name, *_ in gpu.k.profile}, None
+            if n == 1 and head_dim != 80:  # the variant under test computed it
+                assert any(x.startswith({"grid": "attn_grid_", "split": "attn_gqa_", "single": "attention"}[attn])
+                           for x in ran), ran
             _rel_err(out, ref, f"attention {attn} hd {head_dim} {n_head}/{n_head_kv} n={n} start={start} layer {layer}", 1e-3)
         start += n
 

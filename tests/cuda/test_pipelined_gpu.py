@@ -70,7 +70,7 @@ def test_preloaded_decode_attention_equals_the_default_build(cuda_backend, monke
                       n_head_kv=n_head_kv, head_dim=head_dim, rope_dim=64, rope_base=10000.0, rope_type="norm",
                       rope_freq_scale=1.0, has_rope_freqs=False, rms_eps=1e-5, context_length=512, vocab_size=64,
                       tied_embeddings=True, qkv_bias=False)
-    pair = _backend(monkeypatch, 0), _backend(monkeypatch, 0, preload=True)
+    pair = _backend(monkeypatch, 0, attn="split"), _backend(monkeypatch, 0, preload=True, attn="split")
     for b in pair:
         b.set_model(cfg, 300, None)
     rng = np.random.default_rng(head_dim + n_head)
@@ -100,7 +100,7 @@ def test_opt_in_builds_give_the_default_logits(cuda_backend, synth, monkeypatch,
     prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, 11)
     runs = []
     for s, pre in ((0, False), (stages, preload)):
-        b = _backend(monkeypatch, s, pre, fuse="all")
+        b = _backend(monkeypatch, s, pre, fuse="all", attn="split")  # the kernels preload changes
         model = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 64)
         runs.append(greedy_logits(model, DecodeGraph(model).forward, prompt, 6))
     for i, (a, p) in enumerate(zip(*runs)):

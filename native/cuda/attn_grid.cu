@@ -1,0 +1,288 @@
+// Decode attention of one token in ONE launch ("grid" attention): the context split over nb
+// blocks a KV head (each a contiguous range of positions, serving the whole GQA group), which meet
+// at two barriers of their own group inside the kernel instead of at kernel boundaries.
+//
+// attention.cu's split kernels take two launches a layer, and each is a chain of dependent memory
+// round trips (K rows a loop turn, then one block forming the softmax statistics, then the chunk
+// sums): ~13 us apiece at 576 positions, a third of an 8B decode step. Here every block issues its
+// K rows and V words at once, right after the PDL wait, and the only serial steps are two group
+// barriers (maxima, then exp sums) and the last block's sum of nb partial outputs.
+//
+// Rounding as the numpy backend and the split kernels: q to fp16, scores in float, the global max
+// and the double sum of exp(s - M) formed before any probability is rounded to fp16. The double
+// sum adds the blocks' partial sums in block order (the same value in every block); p.V sums run
+// in (block, position group, position) order, so results differ from the split kernels' only in
+// float summation order.
+//
+// The barriers need every block of the grid resident at once: the host sizes the grid to at most
+// one block an SM (cuda_kernels.grid_attn_shape), and a block waits at most AG_DEADLINE_NS before
+// trapping (the launch then fails with an error instead of hanging).
+#include "ntx_half.cuh"
+#include "matvec_fast.cuh"  // the int8 activation quantizers (fused output quantization)
+#include "attn_common.cuh"
+
+#define AG_THREADS 256
+#define AG_WARPS (AG_THREADS / 32)
+#define AG_GMAX 16      // query heads a KV head
+#define AG_QMAX 4096    // their values
+#define AG_NBMAX 32     // blocks a KV head: one lane each in the statistics
+#define AG_MINR 16      // positions a block at least (short contexts use fewer blocks)
+#define AG_VP 16        // V words a thread loads at once
+#define AG_DEADLINE_NS 2000000000ull
+
+__device__ __forceinline__ unsigned int ld_acquire(const unsigned int* p) {
+    unsigned int v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Arrive at *ctr and wait until `target` blocks have (the pattern of a cooperative grid sync):
+// the block's global writes are visible to the group's blocks after it.
+__device__ void group_barrier(unsigned int* ctr, unsigned int target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(ctr, 1u);
+        const unsigned long long t0 = global_ns();
+        while (ld_acquire(ctr) < target) {
+            __nanosleep(64);
+            if (global_ns() - t0 > AG_DEADLINE_NS) __trap();  // a block that never came: fail, not hang
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// K rows of the warp's positions base + warp + AG_WARPS * j (j < KP), lane's V values each.
+template <int V, int KP>
+__device__ __forceinline__ void k_rows(const uint16_t* kc, size_t col, int kv_dim, int base, int p1, float (*kf)[V]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int j = 0; j < KP; ++j) {
+        const int p = base + warp + AG_WARPS * j;
+        if (p < p1) ld_halves<V>(kc + (size_t)p * kv_dim + col + lane * V, kf[j]);
+    }
+}
+
+// V words (two dims, 2 * dt and 2 * dt + 1) of positions base + pg + PG * j (j < AG_VP).
+template <int PG>
+__device__ __forceinline__ void v_words(const uint16_t* vc, size_t col, int kv_dim, int base, int p1, int dt, int pg,
+                                        uint32_t* vw) {
+#pragma unroll
+    for (int j = 0; j < AG_VP; ++j) {
+        const int p = base + pg + PG * j;
+        if (pg < PG && p < p1) vw[j] = *reinterpret_cast<const uint32_t*>(vc + (size_t)p * kv_dim + col + 2 * dt);
+    }
+}
+
+// Scores of positions p0..p1-1 for the group's G heads into sc[g * rmax + p - p0]; m[g]: the
+// thread's running maxima. qa holds the fp16-rounded q of the group.
+template <int V, int KP>
+__device__ __forceinline__ void scores(const uint16_t* kc, size_t col, int kv_dim, int p0, int p1, const float* qa,
+                                       int G, int rmax, float scale, float (*kf)[V], float* sc, float* m) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int base = p0;;) {
+#pragma unroll
+        for (int j = 0; j < KP; ++j) {
+            const int p = base + warp + AG_WARPS * j;
+            if (p >= p1) break;
+            float s[AG_GMAX];
+#pragma unroll
+            for (int g = 0; g < AG_GMAX; ++g) {
+                if (g >= G) break;
+                const float* qh = qa + g * 32 * V + lane * V;
+                s[g] = 0.f;
+#pragma unroll
+                for (int i = 0; i < V; ++i) s[g] += qh[i] * kf[j][i];
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+                for (int g = 0; g < AG_GMAX; ++g) {
+                    if (g >= G) break;
+                    s[g] += __shfl_xor_sync(0xffffffffu, s[g], o);
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < AG_GMAX; ++g) {
+                if (g >= G) break;
+                const float v = s[g] * scale;
+                if (lane == g) sc[g * rmax + p - p0] = v;
+                m[g] = fmaxf(m[g], v);
+            }
+        }
+        base += AG_WARPS * KP;
+        if (base >= p1) break;
+        k_rows<V, KP>(kc, col, kv_dim, base, p1, kf);
+    }
+}
+
+// The group's softmax max (gm) and double exp sum (gs) from the nact blocks' values at
+// vals[(kvh * G + g) * nb + block], summed in block order; a warp a query head.
+__device__ __forceinline__ void group_max(const float* cmax, int h0, int G, int nb, int nact, float* gm) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int g = warp; g < G; g += AG_WARPS) {
+        const float v = warp_max(lane < nact ? __ldcg(cmax + (size_t)(h0 + g) * nb + lane) : -3.402823466e38f);
+        if (lane == 0) gm[g] = v;
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ void group_sum(const double* psum, int h0, int G, int nb, int nact, double* gs) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int g = warp; g < G; g += AG_WARPS) {
+        const double v = lane < nact ? __ldcg(psum + (size_t)(h0 + g) * nb + lane) : 0.0;
+        double t = 0.0;
+        for (int i = 0; i < nact; ++i) t += __shfl_sync(0xffffffffu, v, i);
+        if (lane == 0) gs[g] = t;
+    }
+    __syncthreads();
+}
+
+template <int V>
+__device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restrict__ kc,
+                          const uint16_t* __restrict__ vc, float* out, const int* __restrict__ pos, int n_head,
+                          int n_kv, int nb, int rmax, float scale, float* cmax, double* psum, float* part,
+                          unsigned int* ctr, int8_t* xq, float* xd, float* xs, int qmode) {
+    constexpr int hd = 32 * V, D2 = hd / 2, PG = AG_THREADS / D2, KP = V >= 8 ? 4 : 8;
+    extern __shared__ float sc[];  // G * rmax: scores, then exp(s - M), then the fp16 probabilities
+    __shared__ float qa[AG_QMAX];  // the group's q (fp16-rounded), later its p.V sums
+    __shared__ float wm[AG_WARPS][AG_GMAX], gm[AG_GMAX];
+    __shared__ double gs[AG_GMAX];
+    __shared__ bool last;
+    const int G = n_head / n_kv, c = blockIdx.x, kvh = blockIdx.y, h0 = kvh * G, T = pos[0] + 1;
+    const int R = max((T + nb - 1) / nb, AG_MINR), nact = (T + R - 1) / R;
+    if (c >= nact) return;  // a short context: fewer blocks, none of them counted
+    const int p0 = c * R, p1 = min(p0 + R, T), n = p1 - p0, kv_dim = n_kv * hd;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, dt = threadIdx.x % D2, pg = threadIdx.x / D2;
+    const size_t col = (size_t)kvh * hd;
+    // every load of the first pass in flight before any arithmetic
+    uint32_t vw[AG_VP];
+    v_words<PG>(vc, col, kv_dim, p0, p1, dt, pg, vw);
+    float kf[KP][V];
+    k_rows<V, KP>(kc, col, kv_dim, p0, p1, kf);
+    for (int i = threadIdx.x; i < G * hd; i += AG_THREADS) qa[i] = ntx_round_f16(q[(size_t)h0 * hd + i]);
+    __syncthreads();
+    float m[AG_GMAX];
+#pragma unroll
+    for (int g = 0; g < AG_GMAX; ++g) m[g] = -3.402823466e38f;
+    scores<V, KP>(kc, col, kv_dim, p0, p1, qa, G, rmax, scale, kf, sc, m);
+    if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < AG_GMAX; ++g) {
+            if (g >= G) break;
+            wm[warp][g] = m[g];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < G) {
+        float mm = wm[0][threadIdx.x];
+        for (int w = 1; w < AG_WARPS; ++w) mm = fmaxf(mm, wm[w][threadIdx.x]);
+        cmax[(size_t)(h0 + threadIdx.x) * nb + c] = mm;
+    }
+    group_barrier(ctr + kvh, nact);
+    group_max(cmax, h0, G, nb, nact, gm);
+    for (int g = warp; g < G; g += AG_WARPS) {  // exp(s - M) in place, and this block's double sum
+        double sum = 0.0;
+        for (int j = lane; j < n; j += 32) {
+            const float e = expf(sc[g * rmax + j] - gm[g]);
+            sc[g * rmax + j] = e;
+            sum += (double)e;
+        }
+        sum = warp_sum_d(sum);
+        if (lane == 0) psum[(size_t)(h0 + g) * nb + c] = sum;
+    }
+    group_barrier(ctr + n_kv + kvh, nact);
+    group_sum(psum, h0, G, nb, nact, gs);
+    for (int g = 0; g < G; ++g)
+        for (int j = threadIdx.x; j < n; j += AG_THREADS)
+            sc[g * rmax + j] = ntx_round_f16((float)((double)sc[g * rmax + j] / gs[g]));
+    __syncthreads();
+    float a0[AG_GMAX], a1[AG_GMAX];
+#pragma unroll
+    for (int g = 0; g < AG_GMAX; ++g) a0[g] = a1[g] = 0.f;
+    for (int base = p0;;) {
+#pragma unroll
+        for (int j = 0; j < AG_VP; ++j) {
+            const int p = base + pg + PG * j;
+            if (pg >= PG || p >= p1) break;
+            const float v0 = ntx_h2f((uint16_t)(vw[j] & 0xffffu)), v1 = ntx_h2f((uint16_t)(vw[j] >> 16));
+#pragma unroll
+            for (int g = 0; g < AG_GMAX; ++g) {
+                if (g >= G) break;
+                const float pr = sc[g * rmax + p - p0];
+                a0[g] += pr * v0;
+                a1[g] += pr * v1;
+            }
+        }
+        base += PG * AG_VP;
+        if (base >= p1) break;
+        v_words<PG>(vc, col, kv_dim, base, p1, dt, pg, vw);
+    }
+    for (int r = 0; r < PG; ++r) {  // the position groups' sums, in group order
+        if (pg == r) {
+#pragma unroll
+            for (int g = 0; g < AG_GMAX; ++g) {
+                if (g >= G) break;
+                float* dst = qa + g * hd + 2 * dt;
+                dst[0] = r == 0 ? a0[g] : dst[0] + a0[g];
+                dst[1] = r == 0 ? a1[g] : dst[1] + a1[g];
+            }
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < G * hd; i += AG_THREADS)
+        part[((size_t)(h0 + i / hd) * nb + c) * hd + i % hd] = qa[i];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ctr + 2 * n_kv + kvh, 1u) == (unsigned int)(nact - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < G * hd; i += AG_THREADS) {  // the blocks' parts, in block order
+        const float* pp = part + (size_t)(h0 + i / hd) * nb * hd + i % hd;
+        float v[AG_NBMAX];
+#pragma unroll
+        for (int b = 0; b < AG_NBMAX; ++b)
+            if (b < nact) v[b] = __ldcg(pp + (size_t)b * hd);
+        float s = 0.f;
+#pragma unroll
+        for (int b = 0; b < AG_NBMAX; ++b)
+            if (b < nact) s += v[b];
+        out[(size_t)h0 * hd + i] = s;
+        qa[i] = s;
+    }
+    if (threadIdx.x == 0) {  // every block of the group is past both barriers: zero for the next launch
+        ctr[kvh] = 0u;
+        ctr[n_kv + kvh] = 0u;
+        ctr[2 * n_kv + kvh] = 0u;
+    }
+    if (qmode == 0) return;
+    __syncthreads();
+    const int per = qmode == 2 ? 256 : 32, b0 = h0 * hd / per, nq = G * hd / per;
+    for (int b = warp; b < nq; b += AG_WARPS) {
+        if (qmode == 2) quanti_q8_k_from(qa + b * per, xq, xd, xs, b0 + b, lane);
+        else quanti_q8_1_from(qa + b * per, xq, xd, xs, b0 + b, lane);
+    }
+}
+
+#define NTX_GRID_ATTN(V)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(AG_THREADS)                                                      \
+    attn_grid_##V(const float* q, const uint16_t* kc, const uint16_t* vc, float* out, const int* pos, int n_head, \
+                  int n_kv, int nb, int rmax, float scale, float* cmax, double* psum, float* part,               \
+                  unsigned int* ctr, int8_t* xq, float* xd, float* xs, int qmode) {                               \
+        NTX_PDL();                                                                                                \
+        grid_attn<V>(q, kc, vc, out, pos, n_head, n_kv, nb, rmax, scale, cmax, psum, part, ctr, xq, xd, xs,       \
+                     qmode);                                                                                      \
+    }
+
+NTX_GRID_ATTN(2)  // head_dim 64
+NTX_GRID_ATTN(3)  // 96
+NTX_GRID_ATTN(4)  // 128
+NTX_GRID_ATTN(8)  // 256
