@@ -182,7 +182,7 @@ def attention_table(backend, contexts=(576, 4096), l2_bytes: int = 160 << 20) ->
         pos = upload(b.pool, np.array([t - 1], np.int32), b.stream)
         nb, _ = grid_attn_shape(n_head, n_kv, hd, t, b.device.sm_count, b.device.max_smem_optin)
         grid = (b._new(n_head, nb), b._new(n_head, nb, dtype=np.float64), b._new(n_head, nb, hd),
-                upload(b.pool, np.zeros(3 * n_kv, np.uint32), b.stream))
+                upload(b.pool, np.zeros(2 * n_kv, np.uint32), b.stream))
         nchunk = -(-t // ATTN_CHUNK)
         split = (b._new(n_head, t), b._new(n_head, nchunk), b._new(n_head, nchunk, hd),
                  upload(b.pool, np.zeros(n_kv, np.uint32), b.stream), upload(b.pool, np.zeros(n_kv, np.uint32), b.stream),

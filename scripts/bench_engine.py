@@ -6,13 +6,15 @@ JSON out and a short table last (the form the lent-GPU runs record in docs/bench
     python scripts/bench_engine.py --synthetic llama3-8b:q4_k_m llama3-8b:q8_0 \\
         --variant fast/split/pdl fast/split staged/single --json out.json
 
-A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/async=S][/preload]: MATVEC fast|staged|direct, ATTN
-split|single, pdl = Hopper programmatic dependent launch, fuse = the fused kernels (all, or the named
+A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/async=S][/preload][/noprewait][/nopair]: MATVEC
+fast|staged|direct, ATTN grid|split|single, pdl = Hopper programmatic dependent launch, fuse = the fused kernels (all, or the named
 ones of cuda_backend.FUSIONS: qkv, ffn, rope, norm; without it, none), mmq = prefill matmuls on the
 int8 tensor cores (mmq.cu), gemm / nogemm = prefill matmuls as fp16 cuBLAS GEMMs (dequant.cu) or not
 (neither: the backend's default, NTX_CUDA_GEMM), async=S = the dp4a kernels built with S >= 2 cp.async stages a
 warp (-DNTX_FAST_ASYNC=S, matvec_fast.cuh), preload = the split decode attention with its K/V loads issued up
-front (-DNTX_ATTN_PRELOAD=1, attention.cu). --prefill-chunk: tokens per prefill pass. Each (model, variant) is
+front (-DNTX_ATTN_PRELOAD=1, attention.cu), noprewait = the dp4a kernels wait for the kernel before before loading
+any weight (-DNTX_PRE_WAIT=0, matvec_fast.cuh), nopair = the decode gate/up kernel streams its two rows one after the
+other (-DNTX_SWIGLU_PAIR=0, fused.cu). --prefill-chunk: tokens per prefill pass. Each (model, variant) is
 bench_cuda.run (its docstring says how bytes per token and the bound are counted).
 --kernels adds bench_cuda.kernel_table: each decode kernel's own GPU time at 8B shapes.
 """
@@ -35,7 +37,7 @@ def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None, tup
     fuse = flags.get("fuse", "none")
     fuse = "all" if fuse == "fuse" else fuse.removeprefix("fuse=").replace("+", ",")
     if len(parts) < 2 or parts[0] not in ("fast", "staged", "direct") or parts[1] not in ("grid", "split", "single") \
-            or not set(flags) <= {"pdl", "fuse", "mmq", "gemm", "nogemm", "async", "preload"}:
+            or not set(flags) <= {"pdl", "fuse", "mmq", "gemm", "nogemm", "async", "preload", "noprewait", "nopair"}:
         raise argparse.ArgumentTypeError(f"variant {text!r}: expected MATVEC/ATTN[/pdl][/fuse[=A+B]][/mmq][/async=S]"
                                          "[/preload], "
                                          "e.g. fast/split/pdl/fuse")
@@ -43,11 +45,12 @@ def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None, tup
     stages = flags.get("async", "async=0").removeprefix("async=")
     if not stages.isdigit() or int(stages) == 1 or ("async" in flags and int(stages) == 0):
         raise argparse.ArgumentTypeError(f"variant {text!r}: async=S needs S >= 2 stages, e.g. async=4")
-    defines = ((f"-DNTX_FAST_ASYNC={stages}",) if int(stages) else ()) + (("-DNTX_ATTN_PRELOAD=1",) if "preload" in flags else ())
+    defines = ((f"-DNTX_FAST_ASYNC={stages}",) if int(stages) else ()) + (("-DNTX_ATTN_PRELOAD=1",) if "preload" in flags else ()) \
+        + (("-DNTX_PRE_WAIT=0",) if "noprewait" in flags else ()) + (("-DNTX_SWIGLU_PAIR=0",) if "nopair" in flags else ())
     return parts[0], parts[1], "pdl" in flags, fuse, "mmq" in flags, gemm, defines
 
 
-VARIANT_MACROS = ("-DNTX_FAST_ASYNC=", "-DNTX_ATTN_PRELOAD=")
+VARIANT_MACROS = ("-DNTX_FAST_ASYNC=", "-DNTX_ATTN_PRELOAD=", "-DNTX_PRE_WAIT=", "-DNTX_SWIGLU_PAIR=")
 
 
 def variant_defines(defines: tuple[str, ...]) -> str:

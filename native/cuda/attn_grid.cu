@@ -1,20 +1,22 @@
 // Decode attention of one token in ONE launch ("grid" attention): the context split over nb
 // blocks a KV head (each a contiguous range of positions, serving the whole GQA group), which meet
-// at two barriers of their own group inside the kernel instead of at kernel boundaries.
+// at one barrier of their own group inside the kernel instead of at kernel boundaries.
 //
 // attention.cu's split kernels take two launches a layer, and each is a chain of dependent memory
 // round trips (K rows a loop turn, then one block forming the softmax statistics, then the chunk
 // sums): ~13 us apiece at 576 positions, a third of an 8B decode step. Here every block issues its
-// K rows and V words at once, right after the PDL wait, and the only serial steps are two group
-// barriers (maxima, then exp sums) and the last block's sum of nb partial outputs.
+// K rows and V words at once, right after the PDL wait, and the only serial steps are one group
+// barrier and the last block's sum of nb partial outputs.
 //
-// Rounding as the numpy backend and the split kernels: q to fp16, scores in float, the global max
-// and the double sum of exp(s - M) formed before any probability is rounded to fp16. The double
-// sum adds the blocks' partial sums in block order (the same value in every block); p.V sums run
-// in (block, position group, position) order, so results differ from the split kernels' only in
-// float summation order.
+// Rounding: q to fp16, scores in float, p = fp16(exp(s - M) / S) with M the global max, as the
+// numpy backend and the split kernels. Only S is formed differently: each block sums
+// exp(s - m_b) over its positions in double with its own max m_b, and after the barrier every
+// block forms S = sum_b exp(m_b - M) S_b in double, in block order (the same value everywhere).
+// That is the exact sum up to ~1e-7 relative: a probability's fp16 rounding can differ by one
+// unit where exp(s - M) / S lies that close to a rounding boundary (a few of the ~18k a layer of
+// Llama-3-8B at 576 positions). p.V sums run in (block, position group, position) order.
 //
-// The barriers need every block of the grid resident at once: the host sizes the grid to at most
+// The barrier needs every block of the grid resident at once: the host sizes the grid to at most
 // one block an SM (cuda_kernels.grid_attn_shape), and a block waits at most AG_DEADLINE_NS before
 // trapping (the launch then fails with an error instead of hanging).
 #include "ntx_half.cuh"
@@ -42,19 +44,18 @@ __device__ __forceinline__ unsigned long long global_ns() {
     return t;
 }
 
-// Arrive at *ctr and wait until `target` blocks have (the pattern of a cooperative grid sync):
-// the block's global writes are visible to the group's blocks after it.
+// Arrive at *ctr and wait until `target` blocks have: the block's global writes before it are
+// visible to the group's blocks after it (the release add publishes what the block barrier
+// ordered before thread 0's arrival; the acquire load orders the reads after it).
 __device__ void group_barrier(unsigned int* ctr, unsigned int target) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(ctr, 1u);
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(ctr) : "memory");
         const unsigned long long t0 = global_ns();
         while (ld_acquire(ctr) < target) {
-            __nanosleep(64);
+            __nanosleep(32);
             if (global_ns() - t0 > AG_DEADLINE_NS) __trap();  // a block that never came: fail, not hang
         }
-        __threadfence();
     }
     __syncthreads();
 }
@@ -123,24 +124,24 @@ __device__ __forceinline__ void scores(const uint16_t* kc, size_t col, int kv_di
     }
 }
 
-// The group's softmax max (gm) and double exp sum (gs) from the nact blocks' values at
-// vals[(kvh * G + g) * nb + block], summed in block order; a warp a query head.
-__device__ __forceinline__ void group_max(const float* cmax, int h0, int G, int nb, int nact, float* gm) {
+// The group's softmax max gm and double exp sum gs from the nact blocks' maxima m_b and sums
+// S_b = sum exp(s - m_b) at vals[(h0 + g) * nb + b]: gm = max m_b, gs = sum_b exp(m_b - gm) S_b
+// added in block order (the same value in every block); a warp a query head, a lane a block.
+__device__ __forceinline__ void group_stats(const float* cmax, const double* psum, int h0, int G, int nb, int nact,
+                                            float* gm, double* gs) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int g = warp; g < G; g += AG_WARPS) {
-        const float v = warp_max(lane < nact ? __ldcg(cmax + (size_t)(h0 + g) * nb + lane) : -3.402823466e38f);
-        if (lane == 0) gm[g] = v;
-    }
-    __syncthreads();
-}
-
-__device__ __forceinline__ void group_sum(const double* psum, int h0, int G, int nb, int nact, double* gs) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int g = warp; g < G; g += AG_WARPS) {
-        const double v = lane < nact ? __ldcg(psum + (size_t)(h0 + g) * nb + lane) : 0.0;
+        const size_t i = (size_t)(h0 + g) * nb + lane;
+        const float m = lane < nact ? __ldcg(cmax + i) : -3.402823466e38f;
+        const double part = lane < nact ? __ldcg(psum + i) : 0.0;
+        const float M = warp_max(m);
+        const double v = lane < nact ? exp((double)m - (double)M) * part : 0.0;
         double t = 0.0;
-        for (int i = 0; i < nact; ++i) t += __shfl_sync(0xffffffffu, v, i);
-        if (lane == 0) gs[g] = t;
+        for (int b = 0; b < nact; ++b) t += __shfl_sync(0xffffffffu, v, b);
+        if (lane == 0) {
+            gm[g] = M;
+            gs[g] = t;
+        }
     }
     __syncthreads();
 }
@@ -153,7 +154,7 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
     constexpr int hd = 32 * V, D2 = hd / 2, PG = AG_THREADS / D2, KP = V >= 8 ? 4 : 8;
     extern __shared__ float sc[];  // G * rmax: scores, then exp(s - M), then the fp16 probabilities
     __shared__ float qa[AG_QMAX];  // the group's q (fp16-rounded), later its p.V sums
-    __shared__ float wm[AG_WARPS][AG_GMAX], gm[AG_GMAX];
+    __shared__ float wm[AG_WARPS][AG_GMAX], bm[AG_GMAX], gm[AG_GMAX];
     __shared__ double gs[AG_GMAX];
     __shared__ bool last;
     const int G = n_head / n_kv, c = blockIdx.x, kvh = blockIdx.y, h0 = kvh * G, T = pos[0] + 1;
@@ -184,25 +185,21 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
     if (threadIdx.x < G) {
         float mm = wm[0][threadIdx.x];
         for (int w = 1; w < AG_WARPS; ++w) mm = fmaxf(mm, wm[w][threadIdx.x]);
+        bm[threadIdx.x] = mm;
         cmax[(size_t)(h0 + threadIdx.x) * nb + c] = mm;
     }
-    group_barrier(ctr + kvh, nact);
-    group_max(cmax, h0, G, nb, nact, gm);
-    for (int g = warp; g < G; g += AG_WARPS) {  // exp(s - M) in place, and this block's double sum
+    __syncthreads();
+    for (int g = warp; g < G; g += AG_WARPS) {  // this block's double sum of exp(s - its max)
         double sum = 0.0;
-        for (int j = lane; j < n; j += 32) {
-            const float e = expf(sc[g * rmax + j] - gm[g]);
-            sc[g * rmax + j] = e;
-            sum += (double)e;
-        }
+        for (int j = lane; j < n; j += 32) sum += (double)expf(sc[g * rmax + j] - bm[g]);
         sum = warp_sum_d(sum);
         if (lane == 0) psum[(size_t)(h0 + g) * nb + c] = sum;
     }
-    group_barrier(ctr + n_kv + kvh, nact);
-    group_sum(psum, h0, G, nb, nact, gs);
-    for (int g = 0; g < G; ++g)
+    group_barrier(ctr + kvh, nact);
+    group_stats(cmax, psum, h0, G, nb, nact, gm, gs);
+    for (int g = 0; g < G; ++g)  // p = fp16(exp(s - M) / sum), M the global max
         for (int j = threadIdx.x; j < n; j += AG_THREADS)
-            sc[g * rmax + j] = ntx_round_f16((float)((double)sc[g * rmax + j] / gs[g]));
+            sc[g * rmax + j] = ntx_round_f16((float)((double)expf(sc[g * rmax + j] - gm[g]) / gs[g]));
     __syncthreads();
     float a0[AG_GMAX], a1[AG_GMAX];
 #pragma unroll
@@ -241,7 +238,7 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
         part[((size_t)(h0 + i / hd) * nb + c) * hd + i % hd] = qa[i];
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(ctr + 2 * n_kv + kvh, 1u) == (unsigned int)(nact - 1);
+    if (threadIdx.x == 0) last = atomicAdd(ctr + n_kv + kvh, 1u) == (unsigned int)(nact - 1);
     __syncthreads();
     if (!last) return;
     __threadfence();
@@ -258,10 +255,9 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
         out[(size_t)h0 * hd + i] = s;
         qa[i] = s;
     }
-    if (threadIdx.x == 0) {  // every block of the group is past both barriers: zero for the next launch
+    if (threadIdx.x == 0) {  // every block of the group is past the barrier: zero for the next launch
         ctr[kvh] = 0u;
         ctr[n_kv + kvh] = 0u;
-        ctr[2 * n_kv + kvh] = 0u;
     }
     if (qmode == 0) return;
     __syncthreads();

@@ -17,13 +17,13 @@
 template <class F, int N>
 __device__ void matvec_fast(const uint8_t* __restrict__ W, const int8_t* __restrict__ xq,
                             const float* __restrict__ xd, const float* __restrict__ xs,
-                            float* __restrict__ Y, int rows, int k, int n) {
+                            float* __restrict__ Y, int rows, int k, int n, const uint4* pre) {
     __shared__ __align__(16) uint8_t stage[NTX_FAST_WARPS][NTX_STAGES * (FastGroup<F>::BYTES + 16)];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row = blockIdx.x * NTX_FAST_WARPS + warp;
     if (row >= rows) return;  // the whole warp leaves together
     float acc[N];
-    fast_row<F, N>(W, row, xq, xd, xs, stage[warp], k, n, acc);
+    fast_row<F, N, NTX_PRE_WAIT != 0>(W, row, xq, xd, xs, stage[warp], k, n, acc, pre);
 #pragma unroll
     for (int t = 0; t < N; ++t)
         if (lane == 0 && t < n) Y[(size_t)t * rows + row] = acc[t];
@@ -35,8 +35,10 @@ __device__ void matvec_fast(const uint8_t* __restrict__ W, const int8_t* __restr
                           float* Y, int rows, int k, int n) {                                        \
         const int row = blockIdx.x * NTX_FAST_WARPS + (threadIdx.x >> 5);                           \
         if (row < rows) prefetch_row_l2(W, row, k / F::B::QK * F::B::BYTES, FastGroup<F>::BYTES);   \
+        uint4 pre[NTX_CH_MAX];                                                                      \
+        if (NTX_PRE_WAIT && row < rows) fast_row_start<F>(W, row, k, pre);                          \
         NTX_PDL();                                                                                  \
-        matvec_fast<F, N>(W, xq, xd, xs, Y, rows, k, n);                                            \
+        matvec_fast<F, N>(W, xq, xd, xs, Y, rows, k, n, pre);                                       \
     }
 
 NTX_FAST(FastQ4_K, q4_k, 1)

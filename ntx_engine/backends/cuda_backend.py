@@ -497,8 +497,8 @@ class CudaBackend:
         self._attn_stats = (upload(self.pool, np.zeros(cfg.n_head_kv, np.uint32), self.stream),
                             upload(self.pool, np.zeros(cfg.n_head_kv, np.uint32), self.stream),
                             self._new(cfg.n_head), self._new(cfg.n_head, dtype=np.float64))
-        # the grid attention's three per-KV-head barrier counters (zero between launches)
-        self._grid_counters = upload(self.pool, np.zeros(3 * cfg.n_head_kv, np.uint32), self.stream)
+        # the grid attention's per-KV-head counters: its barrier, its last block (zero between launches)
+        self._grid_counters = upload(self.pool, np.zeros(2 * cfg.n_head_kv, np.uint32), self.stream)
         self._last_attn, self._attn_key = None, None
         self.pos_buf = self._new(n_ctx, dtype=np.int32)
         self.ids_buf = self._new(n_ctx, dtype=np.int32)

@@ -294,7 +294,7 @@ class Kernels:
                        quant=None) -> None:
         """Decode attention of one token in one launch (attn_grid.cu), grid (nb, n_kv) from
         grid_attn_shape, which must not be None. scratch = (cmax (n_head, nb) float32, psum
-        (n_head, nb) float64, part (n_head, nb, head_dim) float32, 3 * n_kv uint32 counters that
+        (n_head, nb) float64, part (n_head, nb, head_dim) float32, 2 * n_kv uint32 counters that
         start at zero (the kernel leaves them so)); quant as attention_gqa's."""
         nb, rmax = grid_attn_shape(n_head, n_kv, head_dim, n_ctx, self.device.sm_count, self.device.max_smem_optin)
         cmax, psum, part, counters = scratch

@@ -132,6 +132,32 @@ def test_preloaded_attention_compiles(monkeypatch, arch):
         assert f"attn_gqa_scores_{v}\0".encode() in cubin and f"attn_gqa_pv_{v}\0".encode() in cubin
 
 
+def _first_weight_load_before_wait(ptx: str, kernel: str) -> bool:
+    """Whether a weight load (ld.global.cs) comes before a PDL wait in the kernel's PTX (the
+    compiler may copy the wait into several branches: the last one closes the path that loads)."""
+    body = ptx[ptx.index(f".entry {kernel}("):]
+    body = body[: body.index("\n}\n")]
+    return body.index("ld.global.cs") < body.rindex("griddepcontrol.wait")
+
+
+def test_prewait_loads_the_first_weight_group_before_the_pdl_wait(monkeypatch):
+    """The default build loads each warp's first weight group (streaming loads, ld.global.cs)
+    before griddepcontrol.wait; -DNTX_PRE_WAIT=0 waits first. Checked in the PTX of the one-weight
+    kernels, whose blocks the compiler lays out in program order (in fused.cu the loading path
+    jumps back to a wait placed earlier in the text, so only a change and a clean build are
+    checked there). Results against each other: tests/cuda/test_pipelined_gpu.py."""
+    kernels = ("matvecf_q4_k_n1", "matvecf_q6_k_n8", "matvecf_q8_0_n1")
+    default_ptx, default_fused = _ptx("matvec_fast.cu"), _ptx("fused.cu")
+    assert all(_first_weight_load_before_wait(default_ptx, k) for k in kernels)
+    monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_PRE_WAIT=0")
+    assert not any(_first_weight_load_before_wait(_ptx("matvec_fast.cu"), k) for k in kernels)
+    assert _ptx("fused.cu") != default_fused
+    for source in ("matvec_fast.cu", "fused.cu"):
+        for arch in ("sm_80", "sm_90"):
+            cubin, log = cuda_nvrtc.compile_cubin(source, arch)
+            assert "warning" not in log.lower(), log
+
+
 def test_too_many_stages_are_refused_at_compile_time(monkeypatch):
     monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_FAST_ASYNC=8")  # 4 warps x 8 x 1696 bytes > 48 KiB
     with pytest.raises(CudaError, match="48 KiB of static shared memory"):
@@ -248,3 +274,16 @@ def test_norm_kernels_fit_their_block(source, kernels, monkeypatch):
         used = re.search(rf"Function properties for {kernel}\n.*?\nptxas info\s*: Used (\d+) registers", log, re.S)
         assert used, f"no register count for {kernel} in the ptxas log"
         assert int(used.group(1)) * NORM_THREADS <= 65536, f"{kernel}: {used.group(1)} registers a thread"
+
+
+def test_decode_matvecs_do_not_spill(monkeypatch):
+    """The one-token dp4a kernels keep everything in registers under their launch bounds (the
+    paired gate/up rows spilled 164 bytes at 64 registers a thread: NTX_SWIGLU_MINB)."""
+    import re
+
+    monkeypatch.setattr(cuda_nvrtc, "OPTIONS", cuda_nvrtc.OPTIONS + ("--ptxas-options=-v",))
+    for source in ("matvec_fast.cu", "fused.cu"):
+        _, log = cuda_nvrtc.compile_cubin(source, "sm_90")
+        found = re.findall(r"Function properties for (\w+_n1)\n.*?(\d+) bytes spill stores", log)
+        assert found, f"no ptxas report for the _n1 kernels of {source}"
+        assert all(int(spill) == 0 for _, spill in found), found

@@ -33,6 +33,8 @@ def test_bench_variants():
     assert be.parse_variant("fast/split/fuse/gemm")[5] == "1" and be.parse_variant("fast/split/nogemm")[5] == "0"
     assert be.parse_variant("fast/split/pdl/fuse/async=4")[-1] == ("-DNTX_FAST_ASYNC=4",)
     assert be.parse_variant("fast/split/async=2/preload")[-1] == ("-DNTX_FAST_ASYNC=2", "-DNTX_ATTN_PRELOAD=1")
+    assert be.parse_variant("fast/grid/pdl/noprewait/nopair")[1:2] + be.parse_variant("fast/grid/noprewait/nopair")[-1:] \
+        == ("grid", ("-DNTX_PRE_WAIT=0", "-DNTX_SWIGLU_PAIR=0"))
     for bad in ("fast/split/turbo", "fast/split/async=1", "fast/split/async=x", "fast/split/async=0"):
         with pytest.raises(argparse.ArgumentTypeError):
             be.parse_variant(bad)

@@ -1,6 +1,7 @@
-"""Opt-in kernel builds against the default build: the pipelined dp4a rows (-DNTX_FAST_ASYNC=S:
-S cp.async shared-memory stages a warp) and the split decode attention with its loads issued up
-front (-DNTX_ATTN_PRELOAD=1). Both add the same terms in the same order as the default kernels,
+"""Other kernel builds against the default build: the pipelined dp4a rows (-DNTX_FAST_ASYNC=S:
+S cp.async shared-memory stages a warp), the split decode attention with its loads issued up
+front (-DNTX_ATTN_PRELOAD=1), and the dp4a kernels that load no weight before the PDL wait
+(-DNTX_PRE_WAIT=0; the default loads each warp's first group before it). Both add the same terms in the same order as the default kernels,
 so matvec outputs, attention outputs and whole-model logits must be equal bit for bit; the
 matvecs are also held to the numpy backend (the oracle)."""
 
@@ -20,12 +21,14 @@ T = GGMLType
 STAGES = [2, 3, 4]
 
 
-def _backend(monkeypatch, stages: int, preload: bool = False, **kw):
-    """A CUDA backend whose dp4a kernels are built with `stages` (0: the default build) and whose
-    split attention issues its loads up front when `preload`."""
+def _backend(monkeypatch, stages: int, preload: bool = False, prewait: bool = True, **kw):
+    """A CUDA backend whose dp4a kernels are built with `stages` (0: the default build), load
+    their first weight group only after the PDL wait when not `prewait` (the default build loads
+    it before), and whose split attention issues its loads up front when `preload`."""
     from ntx_engine.backends.cuda_backend import CudaBackend
 
-    defines = ([f"-DNTX_FAST_ASYNC={stages}"] if stages else []) + (["-DNTX_ATTN_PRELOAD=1"] if preload else [])
+    defines = ([f"-DNTX_FAST_ASYNC={stages}"] if stages else []) + (["-DNTX_ATTN_PRELOAD=1"] if preload else []) \
+        + ([] if prewait else ["-DNTX_PRE_WAIT=0"])
     monkeypatch.setenv("NTX_CUDA_DEFINES", " ".join(defines))
     b = CudaBackend(**kw)
     monkeypatch.delenv("NTX_CUDA_DEFINES")
@@ -36,10 +39,12 @@ def _backend(monkeypatch, stages: int, preload: bool = False, **kw):
 SHAPES = [(67, 6144), (37, 2304), (5, 14336), (1000, 4096)]
 
 
-@pytest.mark.parametrize("stages", STAGES)
+@pytest.mark.parametrize("stages", STAGES + ["noprewait"])
 @pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
 def test_pipelined_matvec_equals_the_default_build(cuda_backend, synth, monkeypatch, t, stages):
-    base, piped = _backend(monkeypatch, 0), _backend(monkeypatch, stages)
+    prewait = stages != "noprewait"
+    stages = stages if prewait else 0
+    base, piped = _backend(monkeypatch, 0), _backend(monkeypatch, stages, prewait=prewait)
     for rows, k in SHAPES:
         rng = np.random.default_rng(100 * stages + rows + k)
         raw = synth.random_blocks(t, rows * k, rng)
@@ -88,10 +93,11 @@ def test_preloaded_decode_attention_equals_the_default_build(cuda_backend, monke
 CASES = [("tiny", "q8_0", 4), ("tiny", "q4_k_m", 4)]
 
 
-@pytest.mark.parametrize("stages,preload", [(2, False), (4, False), (0, True), (4, True)])
+@pytest.mark.parametrize("stages,preload,prewait", [(2, False, True), (4, False, True), (0, True, True),
+                                                    (4, True, True), (0, False, False)])
 @pytest.mark.parametrize("shape,mix,layers", CASES, ids=[f"{s}-{m}" for s, m, _ in CASES])
 def test_opt_in_builds_give_the_default_logits(cuda_backend, synth, monkeypatch, tmp_path, shape, mix, layers,
-                                              stages, preload):
+                                              stages, preload, prewait):
     """Fused qkv / gate-up kernels included (fused.cu), prefill, decode and the CUDA graph."""
     from ntx_engine.backends.cuda_graph import DecodeGraph
     from ntx_engine.model import Transformer, WeightLoader
@@ -99,8 +105,8 @@ def test_opt_in_builds_give_the_default_logits(cuda_backend, synth, monkeypatch,
     gf, cfg = synthetic_gguf(synth, tmp_path, shape, mix, layers, seed=9)
     prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, 11)
     runs = []
-    for s, pre in ((0, False), (stages, preload)):
-        b = _backend(monkeypatch, s, pre, fuse="all", attn="split")  # the kernels preload changes
+    for s, pre, pw in ((0, False, True), (stages, preload, prewait)):
+        b = _backend(monkeypatch, s, pre, pw, fuse="all", attn="split")  # the kernels preload changes
         model = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 64)
         runs.append(greedy_logits(model, DecodeGraph(model).forward, prompt, 6))
     for i, (a, p) in enumerate(zip(*runs)):
