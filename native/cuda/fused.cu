@@ -59,6 +59,10 @@ __device__ void matvec_multi(const MultiRow& m, const int8_t* xq, const float* x
 #define NTX_SWIGLU_MINB (NTX_SWIGLU_PAIR ? 6 : NTX_FAST_MINB)
 #endif
 
+__device__ __forceinline__ bool swiglu_paired(int n_max, int tyg, int tyu) {
+    return NTX_SWIGLU_PAIR && NTX_FAST_ASYNC < 2 && n_max == 1 && tyg == tyu;
+}
+
 template <int N>
 __device__ void matvec_swiglu(const uint8_t* Wg, const uint8_t* Wu, int tyg, int tyu, const int8_t* xq,
                               const float* xd, const float* xs, float* Y, int rows, int k, int n, const uint4* pre) {
@@ -67,8 +71,8 @@ __device__ void matvec_swiglu(const uint8_t* Wg, const uint8_t* Wu, int tyg, int
     const int row = blockIdx.x * NTX_FAST_WARPS + warp;
     if (row >= rows) return;
     float g[N], u[N];
-    if (NTX_SWIGLU_PAIR && NTX_FAST_ASYNC < 2 && N == 1 && tyg == tyu) {
-        fast_row_pair_any(tyg, Wg, Wu, row, xq, xd, xs, stage[warp], k, g, u);
+    if (swiglu_paired(N, tyg, tyu)) {
+        fast_row_pair_any(tyg, Wg, Wu, row, xq, xd, xs, stage[warp], k, g, u, pre);
         if (lane == 0) Y[row] = ntx_swiglu(g[0], u[0]);
         return;
     }
@@ -86,7 +90,7 @@ __device__ void matvec_swiglu(const uint8_t* Wg, const uint8_t* Wu, int tyg, int
                        const float* xd, const float* xs, int k, int n) {                                   \
         MultiRow m;                                                                                        \
         const bool mine = multi_row(W0, W1, W2, Y0, Y1, Y2, r0, r1, r2, ty0, ty1, ty2, &m);                \
-        uint4 pre[NTX_CH_MAX];                                                                             \
+        uint4 pre[NTX_PRE_SLOTS];                                                                          \
         if (mine) prefetch_row_any(m.ty, m.W, m.row, k);                                                   \
         if (NTX_PRE_WAIT && mine) fast_row_start_any(m.ty, m.W, m.row, k, pre);                            \
         NTX_PDL();                                                                                         \
@@ -96,11 +100,12 @@ __device__ void matvec_swiglu(const uint8_t* Wg, const uint8_t* Wu, int tyg, int
     matvecf_swiglu_n##N(const uint8_t* Wg, const uint8_t* Wu, int tyg, int tyu, const int8_t* xq,          \
                         const float* xd, const float* xs, float* Y, int rows, int k, int n) {              \
         const int row = blockIdx.x * NTX_FAST_WARPS + (threadIdx.x >> 5);                                  \
-        uint4 pre[NTX_CH_MAX];                                                                             \
+        uint4 pre[2 * NTX_PRE_SLOTS];                                                                      \
         if (row < rows) {                                                                                  \
             prefetch_row_any(tyg, Wg, row, k);                                                             \
             prefetch_row_any(tyu, Wu, row, k);                                                             \
             if (NTX_PRE_WAIT) fast_row_start_any(tyg, Wg, row, k, pre);                                    \
+            if (NTX_PRE_WAIT && swiglu_paired(N, tyg, tyu)) fast_row_start_any(tyu, Wu, row, k, pre + NTX_PRE_SLOTS); \
         }                                                                                                  \
         NTX_PDL();                                                                                         \
         matvec_swiglu<N>(Wg, Wu, tyg, tyu, xq, xd, xs, Y, rows, k, n, pre);                                \

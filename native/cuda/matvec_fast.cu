@@ -35,7 +35,7 @@ __device__ void matvec_fast(const uint8_t* __restrict__ W, const int8_t* __restr
                           float* Y, int rows, int k, int n) {                                        \
         const int row = blockIdx.x * NTX_FAST_WARPS + (threadIdx.x >> 5);                           \
         if (row < rows) prefetch_row_l2(W, row, k / F::B::QK * F::B::BYTES, FastGroup<F>::BYTES);   \
-        uint4 pre[NTX_CH_MAX];                                                                      \
+        uint4 pre[NTX_PRE_SLOTS];                                                                   \
         if (NTX_PRE_WAIT && row < rows) fast_row_start<F>(W, row, k, pre);                          \
         NTX_PDL();                                                                                  \
         matvec_fast<F, N>(W, xq, xd, xs, Y, rows, k, n, pre);                                       \

@@ -243,25 +243,46 @@ __device__ __forceinline__ void fast_row_pipelined(const uint8_t* __restrict__ w
     }
 }
 
-// NTX_PRE_WAIT (default 1; 0 turns it off): the kernels load the first group of each warp's row
-// into registers before the PDL wait (a weight never depends on the kernel before), so a launch's
-// first HBM round trip overlaps the previous kernel's tail; the same sums in the same order.
-// Measured with NTX_SWIGLU_PAIR on the H200: 8B decode +2.6 % (Q4_K_M), +3.3 % (Q8_0).
+// NTX_PRE_WAIT = P (default 1; 0 turns it off, at most 2): the kernels load the first P groups of
+// each warp's row into registers before the PDL wait (a weight never depends on the kernel
+// before), so a launch's first HBM round trips overlap the previous kernel's tail; the same sums
+// in the same order. P = 1 with NTX_SWIGLU_PAIR on the H200: 8B decode +2.6 % (Q4_K_M), +3.3 % (Q8_0).
 #ifndef NTX_PRE_WAIT
 #define NTX_PRE_WAIT 1
 #endif
+static_assert(NTX_PRE_WAIT >= 0 && NTX_PRE_WAIT <= 2, "NTX_PRE_WAIT is 0, 1 or 2 groups");
 // A stage that fits every type's group (+ 16 bytes: ld8's ninth word), and the 16-byte chunks a
 // lane holds of the largest group.
 #define NTX_MAX3(a, b, c) ((a) > (b) ? ((a) > (c) ? (a) : (c)) : ((b) > (c) ? (b) : (c)))
 #define NTX_FAST_STAGE (NTX_MAX3(NTX_G_Q4_K * 144, NTX_G_Q6_K * 210, NTX_G_Q8_0 * 34) + 16)
 #define NTX_CH_MAX ((NTX_FAST_STAGE - 16 + 511) / 512)
+#define NTX_PRE_SLOTS (NTX_CH_MAX * (NTX_PRE_WAIT > 1 ? NTX_PRE_WAIT : 1))  // registers a row's preload takes
 
-// The first group of row `row` of W into r (each lane its chunks): fast_row's first load.
+// The first NTX_PRE_WAIT groups of row `row` of W into r (group i at r + i * NTX_CH_MAX, each
+// lane its chunks): fast_row's first loads.
 template <class F>
 __device__ __forceinline__ void fast_row_start(const uint8_t* __restrict__ W, int row, int k, uint4* r) {
     static_assert(FastGroup<F>::CH <= NTX_CH_MAX, "NTX_CH_MAX too small");
-    const int row_bytes = k / F::B::QK * F::B::BYTES;
-    load_group<F>(r, W + (size_t)row * row_bytes, min(FastGroup<F>::BYTES, row_bytes), threadIdx.x & 31);
+    const int row_bytes = k / F::B::QK * F::B::BYTES, lane = threadIdx.x & 31;
+    const uint8_t* wrow = W + (size_t)row * row_bytes;
+    load_group<F>(r, wrow, min(FastGroup<F>::BYTES, row_bytes), lane);
+    if (NTX_PRE_WAIT > 1 && FastGroup<F>::BYTES < row_bytes)
+        load_group<F>(r + NTX_CH_MAX, wrow + FastGroup<F>::BYTES, min(FastGroup<F>::BYTES, row_bytes - FastGroup<F>::BYTES),
+                      lane);
+}
+
+// The group fast_row streams next after g0: the preloaded second group, or a load.
+template <class F, bool PRE>
+__device__ __forceinline__ void next_group(uint4* r, const uint4* pre, const uint8_t* wrow, int g0, int row_bytes,
+                                           int lane) {
+    const int next = (g0 + F::G) * F::B::BYTES;
+    if (next >= row_bytes) return;
+    if (PRE && NTX_PRE_WAIT > 1 && g0 == 0) {
+#pragma unroll
+        for (int c = 0; c < FastGroup<F>::CH; ++c) r[c] = pre[NTX_CH_MAX + c];
+    } else {
+        load_group<F>(r, wrow + next, min(FastGroup<F>::BYTES, row_bytes - next), lane);
+    }
 }
 
 // Row `row` of W (k columns) times the n <= N activation rows, by one warp: every lane returns
@@ -295,8 +316,7 @@ __device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row,
             if (off < nbytes) *reinterpret_cast<uint4*>(st + off) = r[c];
         }
         __syncwarp();
-        const int next = (g0 + F::G) * F::B::BYTES;
-        if (next < row_bytes) load_group<F>(r, wrow + next, min(Grp::BYTES, row_bytes - next), lane);
+        next_group<F, PRE>(r, pre, wrow, g0, row_bytes, lane);
         const int ahead = (g0 + NTX_PF_AHEAD * F::G) * F::B::BYTES;
         if (NTX_PF_AHEAD > 0 && ahead < row_bytes) prefetch_l2(wrow + ahead, min(Grp::BYTES, row_bytes - ahead));
         decode_group<F, N>(st, g0, nb, xq, xd, xs, k, k32, n, lane, acc);
@@ -328,11 +348,12 @@ __device__ __forceinline__ void decode_group2(const uint8_t* sa, const uint8_t* 
 
 // Row `row` of Wa and of Wb (same type and k) times one activation row, by one warp, the two
 // rows' groups streamed side by side (two stages at st): fast_row's results for each, bit for bit.
+// pre: the rows' fast_row_start loads (row a's at pre, row b's at pre + NTX_PRE_SLOTS), or null.
 template <class F>
 __device__ __forceinline__ void fast_row_pair(const uint8_t* __restrict__ Wa, const uint8_t* __restrict__ Wb,
                                               int row, const int8_t* __restrict__ xq, const float* __restrict__ xd,
                                               const float* __restrict__ xs, uint8_t* st, int k, float* a,
-                                              float* b) {
+                                              float* b, const uint4* pre) {
     typedef FastGroup<F> Grp;
     const int lane = threadIdx.x & 31, nb = k / F::B::QK, row_bytes = nb * F::B::BYTES;
     const uint8_t* ra = Wa + (size_t)row * row_bytes;
@@ -340,8 +361,13 @@ __device__ __forceinline__ void fast_row_pair(const uint8_t* __restrict__ Wa, co
     uint8_t* sb = st + NTX_FAST_STAGE;
     *a = *b = 0.f;
     uint4 qa[Grp::CH], qb[Grp::CH];
-    load_group<F>(qa, ra, min(Grp::BYTES, row_bytes), lane);
-    load_group<F>(qb, rb, min(Grp::BYTES, row_bytes), lane);
+    if (NTX_PRE_WAIT > 0 && pre != nullptr) {
+#pragma unroll
+        for (int c = 0; c < Grp::CH; ++c) qa[c] = pre[c], qb[c] = pre[NTX_PRE_SLOTS + c];
+    } else {
+        load_group<F>(qa, ra, min(Grp::BYTES, row_bytes), lane);
+        load_group<F>(qb, rb, min(Grp::BYTES, row_bytes), lane);
+    }
     for (int g0 = 0; g0 < nb; g0 += F::G) {
         const int nbytes = min(Grp::BYTES, row_bytes - g0 * F::B::BYTES);
 #pragma unroll
@@ -353,10 +379,12 @@ __device__ __forceinline__ void fast_row_pair(const uint8_t* __restrict__ Wa, co
             }
         }
         __syncwarp();
-        const int next = (g0 + F::G) * F::B::BYTES;
-        if (next < row_bytes) {
-            load_group<F>(qa, ra + next, min(Grp::BYTES, row_bytes - next), lane);
-            load_group<F>(qb, rb + next, min(Grp::BYTES, row_bytes - next), lane);
+        if (NTX_PRE_WAIT > 0 && pre != nullptr) {
+            next_group<F, true>(qa, pre, ra, g0, row_bytes, lane);
+            next_group<F, true>(qb, pre + NTX_PRE_SLOTS, rb, g0, row_bytes, lane);
+        } else {
+            next_group<F, false>(qa, nullptr, ra, g0, row_bytes, lane);
+            next_group<F, false>(qb, nullptr, rb, g0, row_bytes, lane);
         }
         decode_group2<F>(st, sb, g0, nb, xq, xd, xs, lane, a, b);
         __syncwarp();
@@ -398,10 +426,10 @@ __device__ __forceinline__ void fast_row_start_any(int type, const uint8_t* W, i
 // fast_row_pair for two weights of one run-time type.
 __device__ __forceinline__ void fast_row_pair_any(int type, const uint8_t* Wa, const uint8_t* Wb, int row,
                                                   const int8_t* xq, const float* xd, const float* xs, uint8_t* st,
-                                                  int k, float* a, float* b) {
-    if (type == NTX_FT_Q4_K) fast_row_pair<FastQ4_K>(Wa, Wb, row, xq, xd, xs, st, k, a, b);
-    else if (type == NTX_FT_Q6_K) fast_row_pair<FastQ6_K>(Wa, Wb, row, xq, xd, xs, st, k, a, b);
-    else fast_row_pair<FastQ8_0>(Wa, Wb, row, xq, xd, xs, st, k, a, b);
+                                                  int k, float* a, float* b, const uint4* pre) {
+    if (type == NTX_FT_Q4_K) fast_row_pair<FastQ4_K>(Wa, Wb, row, xq, xd, xs, st, k, a, b, pre);
+    else if (type == NTX_FT_Q6_K) fast_row_pair<FastQ6_K>(Wa, Wb, row, xq, xd, xs, st, k, a, b, pre);
+    else fast_row_pair<FastQ8_0>(Wa, Wb, row, xq, xd, xs, st, k, a, b, pre);
 }
 
 // fast_row for a weight whose type is only known at run time (warp-uniform branch).
