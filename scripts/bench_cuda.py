@@ -165,7 +165,7 @@ def kernel_table(backend, l2_bytes: int = 160 << 20) -> list[dict]:
     return out
 
 
-def attention_table(backend, contexts=(576, 4096), l2_bytes: int = 160 << 20) -> list[dict]:
+def attention_table(backend, contexts=(576, 2048, 4096, 8192), l2_bytes: int = 160 << 20) -> list[dict]:
     """GPU time of one decode attention at Llama-3-8B heads (32 query, 8 KV, head_dim 128) over
     T positions: the grid kernel against the two split kernels, each over enough KV caches that
     they exceed the L2 cache (as a layer's cache does in a real step). GB/s counts K and V bytes."""
@@ -180,17 +180,21 @@ def attention_table(backend, contexts=(576, 4096), l2_bytes: int = 160 << 20) ->
                   for _ in range(max(2, -(-l2_bytes // (2 * kv.nbytes))))]
         q, o = b.from_numpy(rng.standard_normal((1, n_head * hd)).astype(np.float32)), b._new(1, n_head * hd)
         pos = upload(b.pool, np.array([t - 1], np.int32), b.stream)
-        nb, _ = grid_attn_shape(n_head, n_kv, hd, t, b.device.sm_count, b.device.max_smem_optin)
-        grid = (b._new(n_head, nb), b._new(n_head, nb, dtype=np.float64), b._new(n_head, nb, hd),
-                upload(b.pool, np.zeros(2 * n_kv, np.uint32), b.stream))
         nchunk = -(-t // ATTN_CHUNK)
         split = (b._new(n_head, t), b._new(n_head, nchunk), b._new(n_head, nchunk, hd),
                  upload(b.pool, np.zeros(n_kv, np.uint32), b.stream), upload(b.pool, np.zeros(n_kv, np.uint32), b.stream),
                  b._new(n_head), b._new(n_head, dtype=np.float64))
         scale = float(1 / np.sqrt(hd))
-        for name, fn, sc in (("attn_grid", k.attention_grid, grid), ("attn_gqa (2 kernels)", k.attention_gqa, split)):
-            fns = [lambda kc=kc, vc=vc: fn(q, kc, vc, o, pos, n_head, n_kv, hd, t, scale, sc, b.stream)
-                   for kc, vc in caches * 2]
+        runs = [("attn_gqa (2 kernels)", lambda kc, vc: k.attention_gqa(q, kc, vc, o, pos, n_head, n_kv, hd, t, scale,
+                                                                       split, b.stream))]
+        for per_sm in (1, k.grid_per_sm(n_head, n_kv, hd, t)):
+            nb, _ = grid_attn_shape(n_head, n_kv, hd, t, b.device.sm_count, b.device.max_smem_optin, per_sm)
+            grid = (b._new(n_head, nb), b._new(n_head, nb, dtype=np.float64), b._new(n_head, nb, hd),
+                    upload(b.pool, np.zeros(2 * n_kv, np.uint32), b.stream))
+            runs.append((f"attn_grid {nb} blocks a KV head", lambda kc, vc, g=grid, ps=per_sm: k.attention_grid(
+                q, kc, vc, o, pos, n_head, n_kv, hd, t, scale, g, b.stream, None, ps)))
+        for name, fn in runs:
+            fns = [lambda kc=kc, vc=vc, fn=fn: fn(kc, vc) for kc, vc in caches * 2]
             us = graph_us(b, fns)
             out.append(dict(kernel=f"{name} T={t}", us=round(us, 2), gb_s=round(2 * kv.nbytes / us / 1e3, 1)))
     return out

@@ -17,7 +17,8 @@
 // Llama-3-8B at 576 positions). p.V sums run in (block, position group, position) order.
 //
 // The barrier needs every block of the grid resident at once: the host sizes the grid to at most
-// one block an SM (cuda_kernels.grid_attn_shape), and a block waits at most AG_DEADLINE_NS before
+// the blocks an SM holds (two, by the launch bounds and the occupancy calculator;
+// cuda_kernels.grid_attn_shape), and a block waits at most AG_DEADLINE_NS before
 // trapping (the launch then fails with an error instead of hanging).
 #include "ntx_half.cuh"
 #include "matvec_fast.cuh"  // the int8 activation quantizers (fused output quantization)
@@ -269,7 +270,7 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
 }
 
 #define NTX_GRID_ATTN(V)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(AG_THREADS)                                                      \
+    extern "C" __global__ void __launch_bounds__(AG_THREADS, 2)                                                   \
     attn_grid_##V(const float* q, const uint16_t* kc, const uint16_t* vc, float* out, const int* pos, int n_head, \
                   int n_kv, int nb, int rmax, float scale, float* cmax, double* psum, float* part,               \
                   unsigned int* ctr, int8_t* xq, float* xd, float* xs, int qmode) {                               \

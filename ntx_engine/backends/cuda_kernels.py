@@ -66,14 +66,15 @@ def gqa_split_ok(n_head: int, n_kv: int, head_dim: int) -> bool:
 
 
 def grid_attn_shape(n_head: int, n_kv: int, head_dim: int, n_ctx: int, sm_count: int,
-                    smem_optin: int) -> tuple[int, int] | None:
+                    smem_optin: int, per_sm: int = 1) -> tuple[int, int] | None:
     """(blocks a KV head, positions a block at most) of the one-launch decode attention
     (attn_grid.cu), or None when it cannot run. Its blocks wait for each other inside the kernel,
-    so the whole grid must be resident at once: at most one block an SM; the scores of a block's
-    positions must fit its shared memory (else the two split kernels take the layout)."""
-    if not gqa_split_ok(n_head, n_kv, head_dim) or n_kv > sm_count:
+    so the whole grid must be resident at once: at most per_sm blocks an SM (what the occupancy
+    calculator allows them, Kernels.grid_per_sm); the scores of a block's positions must fit its
+    shared memory (else the two split kernels take the layout)."""
+    if not gqa_split_ok(n_head, n_kv, head_dim) or n_kv > sm_count * per_sm:
         return None
-    nb = min(GRID_NBMAX, sm_count // n_kv)
+    nb = min(GRID_NBMAX, sm_count * per_sm // n_kv)
     rmax = max(_cdiv(n_ctx, nb), GRID_MINR)
     if GRID_STATIC_SMEM + 4 * (n_head // n_kv) * rmax > smem_optin:
         return None
@@ -290,13 +291,33 @@ class Kernels:
                  (scores, gmax, gsum, vc, part, out, pos, n_head, n_kv, n_ctx, count_p, xq, xd, xs, int(qmode)),
                  stream)
 
+    def grid_per_sm(self, n_head: int, n_kv: int, head_dim: int, n_ctx: int) -> int:
+        """Blocks an SM the grid attention may use: 2 when the occupancy calculator says two of
+        its blocks (with the shared memory of that shape) fit an SM, else 1; NTX_CUDA_GRID_PER_SM
+        caps it (1 or 2)."""
+        cap = int(os.environ.get("NTX_CUDA_GRID_PER_SM", "2"))
+        if cap not in (1, 2):
+            from ntx_common.errors import UsageError
+
+            raise UsageError(f"NTX_CUDA_GRID_PER_SM must be 1 or 2, not {cap}")
+        shape = grid_attn_shape(n_head, n_kv, head_dim, n_ctx, self.device.sm_count, self.device.max_smem_optin, 2)
+        if cap == 1 or shape is None:
+            return 1
+        name, smem = f"attn_grid_{head_dim // 32}", 4 * (n_head // n_kv) * shape[1]
+        self._allow_smem("attn_grid.cu", name, smem, GRID_STATIC_SMEM)
+        fits = check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(self.fn("attn_grid.cu", name),
+                                                                          ATTN_SPLIT_THREADS, smem),
+                     f"cuOccupancyMaxActiveBlocksPerMultiprocessor({name})")
+        return 2 if int(fits) >= 2 else 1
+
     def attention_grid(self, q, kc, vc, out, pos, n_head, n_kv, head_dim, n_ctx, scale, scratch, stream,
-                       quant=None) -> None:
+                       quant=None, per_sm: int = 1) -> None:
         """Decode attention of one token in one launch (attn_grid.cu), grid (nb, n_kv) from
-        grid_attn_shape, which must not be None. scratch = (cmax (n_head, nb) float32, psum
-        (n_head, nb) float64, part (n_head, nb, head_dim) float32, 2 * n_kv uint32 counters that
-        start at zero (the kernel leaves them so)); quant as attention_gqa's."""
-        nb, rmax = grid_attn_shape(n_head, n_kv, head_dim, n_ctx, self.device.sm_count, self.device.max_smem_optin)
+        grid_attn_shape(..., per_sm), which must not be None. scratch = (cmax (n_head, nb) float32,
+        psum (n_head, nb) float64, part (n_head, nb, head_dim) float32, 2 * n_kv uint32 counters
+        that start at zero (the kernel leaves them so)); quant as attention_gqa's."""
+        nb, rmax = grid_attn_shape(n_head, n_kv, head_dim, n_ctx, self.device.sm_count, self.device.max_smem_optin,
+                                   per_sm)
         cmax, psum, part, counters = scratch
         xq, xd, xs, qmode = quant if quant is not None else (None, None, None, 0)
         name, smem = f"attn_grid_{head_dim // 32}", 4 * (n_head // n_kv) * rmax

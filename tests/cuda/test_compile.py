@@ -249,6 +249,7 @@ def test_grid_attention_shape():
 
     h200 = dict(sm_count=132, smem_optin=227 * 1024)
     assert grid_attn_shape(32, 8, 128, 1024, **h200) == (16, 64)  # Llama-3-8B: 128 blocks on 132 SMs
+    assert grid_attn_shape(32, 8, 128, 1024, **h200, per_sm=2) == (32, 32)  # two blocks an SM
     assert grid_attn_shape(9, 3, 64, 8192, **h200) == (GRID_NBMAX, 256)  # few KV heads: at most 32 a head
     assert grid_attn_shape(32, 8, 128, 40, **h200) == (16, 16)  # at least 16 positions a block
     assert grid_attn_shape(64, 8, 128, 131072, **h200) is None  # 8 heads x 8192 scores: 256 KiB

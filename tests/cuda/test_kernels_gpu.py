@@ -153,14 +153,17 @@ def test_rope_matches_numpy(cuda_backend, rope_type, rope_dim, freq_scale, freqs
     _rel_err(out, cpu.rope(x, pos, cfg.n_head), f"rope {rope_type} dim {rope_dim} fs {freq_scale} ff {freqs}", 1e-5)
 
 
-@pytest.mark.parametrize("attn", ["grid", "split", "single"])
+@pytest.mark.parametrize("attn", ["grid", "grid-1-per-sm", "split", "single"])
 @pytest.mark.parametrize("head_dim,n_head,n_head_kv", [(64, 8, 2), (128, 4, 4), (64, 9, 3), (96, 6, 2), (256, 16, 2),
                                                       (128, 32, 8), (80, 4, 2)])
-def test_attention_prefill_then_decode(cuda_backend, head_dim, n_head, n_head_kv, attn):
+def test_attention_prefill_then_decode(cuda_backend, monkeypatch, head_dim, n_head, n_head_kv, attn):
     """Decode steps (n = 1) take the split kernels unless attn == "single" (or the layout is one
     they do not take: head_dim 80); chunks of 64 positions: decode at 7, 8 (one partial chunk) and
     259 (five chunks, the last partial); GQA groups of 1 to 8 query heads, head_dim 64 to 256."""
     cfg = _cfg(head_dim=head_dim, n_head=n_head, n_head_kv=n_head_kv)
+    if attn == "grid-1-per-sm":  # the grid kernel with half the blocks (one an SM)
+        monkeypatch.setenv("NTX_CUDA_GRID_PER_SM", "1")
+        attn = "grid"
     gpu, cpu = _pair(cfg, n_ctx=300, attn=attn)
     rng = np.random.default_rng(head_dim + n_head)
     start = 0
