@@ -6,15 +6,13 @@ JSON out and a short table last (the form the lent-GPU runs record in docs/bench
     python scripts/bench_engine.py --synthetic llama3-8b:q4_k_m llama3-8b:q8_0 \\
         --variant fast/split/pdl fast/split staged/single --json out.json
 
-A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/async=S][/preload][/noprewait][/nopair]: MATVEC
-fast|staged|direct, ATTN grid|split|single, pdl = Hopper programmatic dependent launch, fuse = the fused kernels (all, or the named
-ones of cuda_backend.FUSIONS: qkv, ffn, rope, norm; without it, none), mmq = prefill matmuls on the
-int8 tensor cores (mmq.cu), gemm / nogemm = prefill matmuls as fp16 cuBLAS GEMMs (dequant.cu) or not
-(neither: the backend's default, NTX_CUDA_GEMM), async=S = the dp4a kernels built with S >= 2 cp.async stages a
-warp (-DNTX_FAST_ASYNC=S, matvec_fast.cuh), preload = the split decode attention with its K/V loads issued up
-front (-DNTX_ATTN_PRELOAD=1, attention.cu), noprewait = the dp4a kernels wait for the kernel before before loading
-any weight (-DNTX_PRE_WAIT=0, matvec_fast.cuh), nopair = the decode gate/up kernel streams its two rows one after the
-other (-DNTX_SWIGLU_PAIR=0, fused.cu). --prefill-chunk: tokens per prefill pass. Each (model, variant) is
+A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/noprewait][/nopair]: MATVEC
+fast|staged|direct, ATTN grid|split|single, pdl = Hopper programmatic dependent launch, fuse = the fused kernels
+(all, or the named ones of cuda_backend.FUSIONS: qkv, ffn, rope, norm, attn; without it, none), mmq = prefill matmuls
+on the int8 tensor cores (mmq.cu), gemm / nogemm = prefill matmuls as fp16 cuBLAS GEMMs (dequant.cu) or not
+(neither: the backend's default, NTX_CUDA_GEMM), noprewait = the dp4a kernels load no weight before the PDL wait
+(-DNTX_PRE_WAIT=0, matvec_fast.cuh), nopair = the decode gate/up kernel streams its two rows one after the other
+(-DNTX_SWIGLU_PAIR=0, fused.cu). --prefill-chunk: tokens per prefill pass. Each (model, variant) is
 bench_cuda.run (its docstring says how bytes per token and the bound are counted).
 --kernels adds bench_cuda.kernel_table: each decode kernel's own GPU time at 8B shapes.
 """
@@ -33,29 +31,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None, tuple[str, ...]]:
     parts = text.split("/")
-    flags = {f.split("=")[0]: f for f in parts[2:]}
-    fuse = flags.get("fuse", "none")
+    flags = set(parts[2:])
+    fuse = next((f for f in flags if f == "fuse" or f.startswith("fuse=")), "none")
+    flags.discard(fuse)
     fuse = "all" if fuse == "fuse" else fuse.removeprefix("fuse=").replace("+", ",")
     if len(parts) < 2 or parts[0] not in ("fast", "staged", "direct") or parts[1] not in ("grid", "split", "single") \
-            or not set(flags) <= {"pdl", "fuse", "mmq", "gemm", "nogemm", "async", "preload", "noprewait", "nopair"}:
-        raise argparse.ArgumentTypeError(f"variant {text!r}: expected MATVEC/ATTN[/pdl][/fuse[=A+B]][/mmq][/async=S]"
-                                         "[/preload], "
-                                         "e.g. fast/split/pdl/fuse")
+            or not flags <= {"pdl", "mmq", "gemm", "nogemm", "noprewait", "nopair"}:
+        raise argparse.ArgumentTypeError(f"variant {text!r}: expected MATVEC/ATTN[/pdl][/fuse[=A+B]][/mmq][/gemm|/nogemm]"
+                                         "[/noprewait][/nopair], e.g. fast/grid/pdl/fuse")
     gemm = "1" if "gemm" in flags else "0" if "nogemm" in flags else None
-    stages = flags.get("async", "async=0").removeprefix("async=")
-    if not stages.isdigit() or int(stages) == 1 or ("async" in flags and int(stages) == 0):
-        raise argparse.ArgumentTypeError(f"variant {text!r}: async=S needs S >= 2 stages, e.g. async=4")
-    defines = ((f"-DNTX_FAST_ASYNC={stages}",) if int(stages) else ()) + (("-DNTX_ATTN_PRELOAD=1",) if "preload" in flags else ()) \
-        + (("-DNTX_PRE_WAIT=0",) if "noprewait" in flags else ()) + (("-DNTX_SWIGLU_PAIR=0",) if "nopair" in flags else ())
+    defines = (("-DNTX_PRE_WAIT=0",) if "noprewait" in flags else ()) + (("-DNTX_SWIGLU_PAIR=0",) if "nopair" in flags else ())
     return parts[0], parts[1], "pdl" in flags, fuse, "mmq" in flags, gemm, defines
 
 
-VARIANT_MACROS = ("-DNTX_FAST_ASYNC=", "-DNTX_ATTN_PRELOAD=", "-DNTX_PRE_WAIT=", "-DNTX_SWIGLU_PAIR=")
+VARIANT_MACROS = ("-DNTX_PRE_WAIT=", "-DNTX_SWIGLU_PAIR=")
 
 
 def variant_defines(defines: tuple[str, ...]) -> str:
     """NTX_CUDA_DEFINES for a variant: the caller's own, less the macros variants set, plus the
-    variant's (so a variant without async=S runs the default build even if the caller set it)."""
+    variant's (so a variant without noprewait runs the default build even if the caller set it)."""
     own = [d for d in os.environ.get("NTX_CUDA_DEFINES", "").split() if not d.startswith(VARIANT_MACROS)]
     return " ".join(own + list(defines))
 

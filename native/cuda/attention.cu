@@ -91,12 +91,6 @@ extern "C" __global__ void attention(const float* __restrict__ q, const uint16_t
 #define ATTN_WARPS (ATTN_SPLIT_THREADS / 32)
 #define ATTN_GMAX 16
 #define ATTN_QMAX 4096
-// NTX_ATTN_PRELOAD=1 (NTX_CUDA_DEFINES): the split kernels issue all of a warp's K rows / a
-// thread's V words before the arithmetic instead of one position a loop turn (the same
-// operations in the same order, so the same bits). Off by default until measured on a GPU.
-#ifndef NTX_ATTN_PRELOAD
-#define NTX_ATTN_PRELOAD 0
-#endif
 
 // The softmax statistics of query head h over positions 0..T-1, by one warp: the global max M of
 // the used chunk maxima and the double sum of exp(s - M). __ldcg: other SMs wrote these values in
@@ -135,26 +129,9 @@ __device__ void gqa_scores(const float* __restrict__ q, const uint16_t* __restri
     float m[ATTN_GMAX];
 #pragma unroll
     for (int g = 0; g < ATTN_GMAX; ++g) m[g] = -3.402823466e38f;
-#if NTX_ATTN_PRELOAD
-    // every K row of the warp's positions in flight at once, then the same loop over registers
-    constexpr int PW = ATTN_CHUNK / ATTN_WARPS;
-    float kall[PW][V];
-#pragma unroll
-    for (int r = 0; r < PW; ++r) {
-        const int p = p0 + warp + r * ATTN_WARPS;
-        if (p < p1) ld_halves<V>(kc + (size_t)p * kv_dim + kvh * hd + lane * V, kall[r]);
-    }
-#pragma unroll
-    for (int r = 0; r < PW; ++r) {
-        const int p = p0 + warp + r * ATTN_WARPS;
-        if (p >= p1) break;
-        float s[ATTN_GMAX];
-        const float* kf = kall[r];
-#else
     for (int p = p0 + warp; p < p1; p += ATTN_WARPS) {
         float kf[V], s[ATTN_GMAX];
         ld_halves<V>(kc + (size_t)p * kv_dim + kvh * hd + lane * V, kf);
-#endif
 #pragma unroll
         for (int g = 0; g < ATTN_GMAX; ++g) {
             if (g >= G) break;
@@ -219,20 +196,6 @@ __device__ void gqa_pv(const float* __restrict__ scores, const float* __restrict
     const int T = pos[0] + 1, p0 = c * ATTN_CHUNK, p1 = min(p0 + ATTN_CHUNK, T);
     if (p0 >= T) return;
     const int kv_dim = n_kv * hd;
-#if NTX_ATTN_PRELOAD
-    // every V word of the thread's positions in flight at once (while the probabilities are
-    // formed), then the same loop as below over registers
-    constexpr int NP = (ATTN_CHUNK + PG - 1) / PG;
-    uint32_t vall[NP];
-    {
-        const int dt = threadIdx.x % D2, pg = threadIdx.x / D2;
-#pragma unroll
-        for (int r = 0; r < NP; ++r) {
-            const int p = p0 + pg + r * PG;
-            if (pg < PG && p < p1) vall[r] = *reinterpret_cast<const uint32_t*>(vc + (size_t)p * kv_dim + kvh * hd + 2 * dt);
-        }
-    }
-#endif
     for (int i = threadIdx.x; i < G * ATTN_CHUNK; i += blockDim.x) {
         const int g = i / ATTN_CHUNK, p = p0 + i % ATTN_CHUNK, h = kvh * G + g;
         if (p < p1)
@@ -243,17 +206,9 @@ __device__ void gqa_pv(const float* __restrict__ scores, const float* __restrict
     float a0[ATTN_GMAX], a1[ATTN_GMAX];
 #pragma unroll
     for (int g = 0; g < ATTN_GMAX; ++g) a0[g] = a1[g] = 0.f;
-#if NTX_ATTN_PRELOAD
-#pragma unroll
-    for (int r = 0; r < NP; ++r) {
-        const int p = p0 + pg + r * PG;
-        if (pg >= PG || p >= p1) break;
-        const uint32_t w = vall[r];
-#else
 #pragma unroll 4
     for (int p = p0 + pg; pg < PG && p < p1; p += PG) {  // pg < PG: 256 threads need not be whole rows
         const uint32_t w = *reinterpret_cast<const uint32_t*>(vc + (size_t)p * kv_dim + kvh * hd + 2 * dt);
-#endif
         const float v0 = ntx_h2f((uint16_t)(w & 0xffffu)), v1 = ntx_h2f((uint16_t)(w >> 16));
 #pragma unroll
         for (int g = 0; g < ATTN_GMAX; ++g) {

@@ -34,7 +34,7 @@ __device__ __forceinline__ bool multi_row(const uint8_t* W0, const uint8_t* W1, 
 template <int N>
 __device__ void matvec_multi(const MultiRow& m, const int8_t* xq, const float* xd, const float* xs, int k, int n,
                              const uint4* pre) {
-    __shared__ __align__(16) uint8_t stage[NTX_FAST_WARPS][NTX_STAGES * NTX_FAST_STAGE];
+    __shared__ __align__(16) uint8_t stage[NTX_FAST_WARPS][NTX_FAST_STAGE];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row = m.row, rows = m.rows;
     float* Y = m.Y;
@@ -52,7 +52,7 @@ __device__ void matvec_multi(const MultiRow& m, const int8_t* xq, const float* x
 #ifndef NTX_SWIGLU_PAIR
 #define NTX_SWIGLU_PAIR 1
 #endif
-#define NTX_SWIGLU_STAGES (NTX_SWIGLU_PAIR && NTX_STAGES < 2 ? 2 : NTX_STAGES)
+#define NTX_SWIGLU_STAGES (NTX_SWIGLU_PAIR ? 2 : 1)
 // resident blocks an SM of matvecf_swiglu_n1: the paired rows need more registers (at 64 a thread
 // they spill), and a warp keeps two rows' bytes in flight
 #ifndef NTX_SWIGLU_MINB
@@ -60,7 +60,7 @@ __device__ void matvec_multi(const MultiRow& m, const int8_t* xq, const float* x
 #endif
 
 __device__ __forceinline__ bool swiglu_paired(int n_max, int tyg, int tyu) {
-    return NTX_SWIGLU_PAIR && NTX_FAST_ASYNC < 2 && n_max == 1 && tyg == tyu;
+    return NTX_SWIGLU_PAIR && n_max == 1 && tyg == tyu;
 }
 
 template <int N>
@@ -91,7 +91,6 @@ __device__ void matvec_swiglu(const uint8_t* Wg, const uint8_t* Wu, int tyg, int
         MultiRow m;                                                                                        \
         const bool mine = multi_row(W0, W1, W2, Y0, Y1, Y2, r0, r1, r2, ty0, ty1, ty2, &m);                \
         uint4 pre[NTX_PRE_SLOTS];                                                                          \
-        if (mine) prefetch_row_any(m.ty, m.W, m.row, k);                                                   \
         if (NTX_PRE_WAIT && mine) fast_row_start_any(m.ty, m.W, m.row, k, pre);                            \
         NTX_PDL();                                                                                         \
         if (mine) matvec_multi<N>(m, xq, xd, xs, k, n, pre);                                               \
@@ -102,8 +101,6 @@ __device__ void matvec_swiglu(const uint8_t* Wg, const uint8_t* Wu, int tyg, int
         const int row = blockIdx.x * NTX_FAST_WARPS + (threadIdx.x >> 5);                                  \
         uint4 pre[2 * NTX_PRE_SLOTS];                                                                      \
         if (row < rows) {                                                                                  \
-            prefetch_row_any(tyg, Wg, row, k);                                                             \
-            prefetch_row_any(tyu, Wu, row, k);                                                             \
             if (NTX_PRE_WAIT) fast_row_start_any(tyg, Wg, row, k, pre);                                    \
             if (NTX_PRE_WAIT && swiglu_paired(N, tyg, tyu)) fast_row_start_any(tyu, Wu, row, k, pre + NTX_PRE_SLOTS); \
         }                                                                                                  \

@@ -18,7 +18,7 @@ template <class F, int N>
 __device__ void matvec_fast(const uint8_t* __restrict__ W, const int8_t* __restrict__ xq,
                             const float* __restrict__ xd, const float* __restrict__ xs,
                             float* __restrict__ Y, int rows, int k, int n, const uint4* pre) {
-    __shared__ __align__(16) uint8_t stage[NTX_FAST_WARPS][NTX_STAGES * (FastGroup<F>::BYTES + 16)];
+    __shared__ __align__(16) uint8_t stage[NTX_FAST_WARPS][FastGroup<F>::BYTES + 16];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row = blockIdx.x * NTX_FAST_WARPS + warp;
     if (row >= rows) return;  // the whole warp leaves together
@@ -34,7 +34,6 @@ __device__ void matvec_fast(const uint8_t* __restrict__ W, const int8_t* __restr
     matvecf_##name##_n##N(const uint8_t* W, const int8_t* xq, const float* xd, const float* xs,     \
                           float* Y, int rows, int k, int n) {                                        \
         const int row = blockIdx.x * NTX_FAST_WARPS + (threadIdx.x >> 5);                           \
-        if (row < rows) prefetch_row_l2(W, row, k / F::B::QK * F::B::BYTES, FastGroup<F>::BYTES);   \
         uint4 pre[NTX_PRE_SLOTS];                                                                   \
         if (NTX_PRE_WAIT && row < rows) fast_row_start<F>(W, row, k, pre);                          \
         NTX_PDL();                                                                                  \

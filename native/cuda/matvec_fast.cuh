@@ -25,32 +25,6 @@
 #define NTX_G_Q8_0 32
 #endif
 
-// L2 prefetch of the dp4a kernels, in groups of a row: before the PDL wait a warp may ask L2 for
-// the first NTX_PF_WAIT groups of its row (a weight never depends on the kernel before, so this
-// overlaps that kernel's tail), and while it decodes group g for group g + NTX_PF_AHEAD. Both
-// default to off: measured on the H200 (docs/cuda.md), 4 and 4 cost 8 % of decode speed.
-#ifndef NTX_PF_WAIT
-#define NTX_PF_WAIT 0
-#endif
-#ifndef NTX_PF_AHEAD
-#define NTX_PF_AHEAD 0
-#endif
-
-// Hopper's bulk L2 prefetch of [p, p + bytes) by lane 0: a hint that writes no register or
-// shared memory, so it is safe even where a copy fills the weight later. p and bytes are
-// multiples of 16 (cuda_kernels.fast_matvec_ok: 16-byte aligned tensors, whole 16-byte rows).
-__device__ __forceinline__ void prefetch_l2(const uint8_t* p, int bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if ((threadIdx.x & 31) == 0 && bytes > 0)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
-// The first NTX_PF_WAIT groups (of group_bytes) of one row, before the PDL wait.
-__device__ __forceinline__ void prefetch_row_l2(const uint8_t* W, int row, int row_bytes, int group_bytes) {
-    if (NTX_PF_WAIT > 0) prefetch_l2(W + (size_t)row * row_bytes, min(row_bytes, NTX_PF_WAIT * group_bytes));
-}
-
 __device__ __forceinline__ float fwarp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -154,9 +128,7 @@ __device__ __forceinline__ void load_group(uint4* r, const uint8_t* __restrict__
 }
 
 // The units of one group (blocks g0.. of the row, staged at sg) against the n activation rows:
-// lane u takes units u, u + 32, ..., so the register and the pipelined rows add the same terms in
-// the same order, bit for bit. (k32 = k / 32 comes from the caller: computed here, the default
-// build's code would change.)
+// lane u takes units u, u + 32, ... (k32 = k / 32 comes from the caller).
 template <class F, int N>
 __device__ __forceinline__ void decode_group(const uint8_t* sg, int g0, int nb, const int8_t* __restrict__ xq,
                                              const float* __restrict__ xd, const float* __restrict__ xs,
@@ -174,72 +146,6 @@ __device__ __forceinline__ void decode_group(const uint8_t* sg, int g0, int nb, 
                 acc[t] += __ldg(xd + si) * F::unit(sg + bl * F::B::BYTES, j, x, __ldg(xs + si));
             }
         }
-    }
-}
-
-// --- the pipelined row (NTX_FAST_ASYNC = S >= 2 stages) ----------------------------------------
-// Instead of holding the next group in registers, each lane copies its 16-byte chunks of the
-// next S - 1 groups straight into S shared-memory stages (cp.async, sm_80+), so S - 1 groups of a
-// row are in flight while one is decoded, without registers. Off by default until measured.
-#ifndef NTX_FAST_ASYNC
-#define NTX_FAST_ASYNC 0
-#endif
-#define NTX_STAGES (NTX_FAST_ASYNC > 1 ? NTX_FAST_ASYNC : 1)
-
-__device__ __forceinline__ void cp_async16(uint8_t* dst, const uint8_t* src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-// Wait until at most `pending` of this lane's newest copy groups are still in flight.
-template <int pending>
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
-#endif
-}
-
-// This lane's 16-byte chunks of one group (nbytes of it exist) into the stage at st.
-template <class F>
-__device__ __forceinline__ void copy_group(uint8_t* st, const uint8_t* __restrict__ src, int nbytes, int lane) {
-#pragma unroll
-    for (int c = 0; c < FastGroup<F>::CH; ++c) {
-        const int off = 16 * (lane + 32 * c);
-        if (off < nbytes) cp_async16(st + off, src + off);
-    }
-}
-
-// fast_row with S stages of FastGroup<F>::BYTES + 16 bytes at st (the 16: ld8's ninth word).
-template <class F, int N, int S>
-__device__ __forceinline__ void fast_row_pipelined(const uint8_t* __restrict__ wrow, int nb, int row_bytes,
-                                                   const int8_t* __restrict__ xq, const float* __restrict__ xd,
-                                                   const float* __restrict__ xs, uint8_t* st, int k, int k32,
-                                                   int n, int lane, float* acc) {
-    typedef FastGroup<F> Grp;
-    const int stride = Grp::BYTES + 16;  // a multiple of 16: every stage is 16-byte aligned
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {  // groups 0 .. S - 2 in flight
-        const int off = s * Grp::BYTES;
-        if (off < row_bytes) copy_group<F>(st + s * stride, wrow + off, min(Grp::BYTES, row_bytes - off), lane);
-        cp_async_commit();  // empty groups too: the count of groups stays one per step
-    }
-    for (int gi = 0, g0 = 0; g0 < nb; ++gi, g0 += F::G) {
-        const int ahead = (gi + S - 1) * Grp::BYTES;  // into the stage decoded in the last step
-        if (ahead < row_bytes)
-            copy_group<F>(st + ((gi + S - 1) % S) * stride, wrow + ahead, min(Grp::BYTES, row_bytes - ahead), lane);
-        cp_async_commit();
-        cp_async_wait<S - 1>();  // this lane's copies of group gi have landed
-        __syncwarp();            // ... and every other lane's are visible
-        decode_group<F, N>(st + (gi % S) * stride, g0, nb, xq, xd, xs, k, k32, n, lane, acc);
-        __syncwarp();  // the stage is free for the copy of the next step
     }
 }
 
@@ -286,7 +192,7 @@ __device__ __forceinline__ void next_group(uint4* r, const uint4* pre, const uin
 }
 
 // Row `row` of W (k columns) times the n <= N activation rows, by one warp: every lane returns
-// the totals in acc. st is the warp's stage, at least NTX_STAGES * (FastGroup<F>::BYTES + 16) bytes.
+// the totals in acc. st is the warp's stage, at least FastGroup<F>::BYTES + 16 bytes.
 // PRE: the caller loaded the row's first group into pre (fast_row_start).
 template <class F, int N, bool PRE = false>
 __device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row, const int8_t* __restrict__ xq,
@@ -297,9 +203,6 @@ __device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row,
     const uint8_t* wrow = W + (size_t)row * row_bytes;
 #pragma unroll
     for (int t = 0; t < N; ++t) acc[t] = 0.f;
-#if NTX_FAST_ASYNC > 1
-    fast_row_pipelined<F, N, NTX_STAGES>(wrow, nb, row_bytes, xq, xd, xs, st, k, k32, n, lane, acc);
-#else
     typedef FastGroup<F> Grp;
     uint4 r[Grp::CH];
     if constexpr (PRE) {
@@ -317,12 +220,9 @@ __device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row,
         }
         __syncwarp();
         next_group<F, PRE>(r, pre, wrow, g0, row_bytes, lane);
-        const int ahead = (g0 + NTX_PF_AHEAD * F::G) * F::B::BYTES;
-        if (NTX_PF_AHEAD > 0 && ahead < row_bytes) prefetch_l2(wrow + ahead, min(Grp::BYTES, row_bytes - ahead));
         decode_group<F, N>(st, g0, nb, xq, xd, xs, k, k32, n, lane, acc);
         __syncwarp();
     }
-#endif
 #pragma unroll
     for (int t = 0; t < N; ++t) acc[t] = fwarp_sum(acc[t]);
 }
@@ -399,22 +299,6 @@ __device__ __forceinline__ void fast_row_pair(const uint8_t* __restrict__ Wa, co
 #define NTX_FT_Q8_0 2
 static_assert(FastGroup<FastQ4_K>::BYTES + 16 <= NTX_FAST_STAGE && FastGroup<FastQ6_K>::BYTES + 16 <= NTX_FAST_STAGE &&
               FastGroup<FastQ8_0>::BYTES + 16 <= NTX_FAST_STAGE, "NTX_FAST_STAGE too small");
-static_assert(NTX_FAST_WARPS * NTX_STAGES * NTX_FAST_STAGE <= 48 * 1024,
-              "NTX_FAST_WARPS x NTX_FAST_ASYNC stages exceed 48 KiB of static shared memory a block");
-
-// Bytes of one row of k values, and of one group, of a fused kernel's weight type.
-__device__ __forceinline__ int fast_row_bytes(int type, int k) {
-    return type == NTX_FT_Q4_K ? k / 256 * 144 : type == NTX_FT_Q6_K ? k / 256 * 210 : k / 32 * 34;
-}
-
-__device__ __forceinline__ int fast_group_bytes(int type) {
-    return type == NTX_FT_Q4_K ? NTX_G_Q4_K * 144 : type == NTX_FT_Q6_K ? NTX_G_Q6_K * 210 : NTX_G_Q8_0 * 34;
-}
-
-// The L2 prefetch of a row of a weight whose type is known at run time.
-__device__ __forceinline__ void prefetch_row_any(int type, const uint8_t* W, int row, int k) {
-    prefetch_row_l2(W, row, fast_row_bytes(type, k), fast_group_bytes(type));
-}
 
 // fast_row_start for a weight whose type is only known at run time.
 __device__ __forceinline__ void fast_row_start_any(int type, const uint8_t* W, int row, int k, uint4* r) {

@@ -17,10 +17,10 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "native" / "cuda"
 SOURCES = ("matvec.cu", "matvec_fast.cu", "fused.cu", "mmq.cu", "dequant.cu", "ops.cu", "attention.cu",
            "attn_grid.cu")
 OPTIONS = ("-std=c++17", "-default-device", "-lineinfo")
-# the dp4a matvec's launch-shape macros (NTX_G_*, NTX_FAST_WARPS, NTX_FAST_MINB, NTX_FAST_ASYNC;
-# matvec_fast.cuh) and attention.cu's NTX_ATTN_PRELOAD can be set for a tuning run with
+# the dp4a matvec's macros (launch shape NTX_G_*, NTX_FAST_WARPS, NTX_FAST_MINB, NTX_SWIGLU_MINB;
+# NTX_PRE_WAIT, NTX_SWIGLU_PAIR; matvec_fast.cuh, fused.cu) can be set for a tuning run with
 # NTX_CUDA_DEFINES="-DNAME=VALUE ..."; they apply to these sources only
-TUNABLE = ("matvec_fast.cu", "fused.cu", "attention.cu")
+TUNABLE = ("matvec_fast.cu", "fused.cu")
 
 
 def options(source: str) -> tuple[str, ...]:

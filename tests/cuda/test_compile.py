@@ -71,10 +71,10 @@ def test_fused_kernels_present(arch):
 
 def test_tuning_defines_reach_only_the_dp4a_sources(monkeypatch):
     """NTX_CUDA_DEFINES changes the options (and so the cache key) of the TUNABLE sources
-    (matvec_fast.cu, fused.cu, attention.cu) only; anything but -DNTX_* is refused."""
+    (matvec_fast.cu, fused.cu) only; anything but -DNTX_* is refused."""
     monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_G_Q8_0=64")
     assert cuda_nvrtc.options("fused.cu")[-1] == "-DNTX_G_Q8_0=64"
-    assert cuda_nvrtc.options("attention.cu")[-1] == "-DNTX_G_Q8_0=64"
+    assert cuda_nvrtc.options("attention.cu") == cuda_nvrtc.OPTIONS
     assert cuda_nvrtc.options("matvec.cu") == cuda_nvrtc.OPTIONS
     cubin, _ = cuda_nvrtc.compile_cubin("matvec_fast.cu", "sm_90")
     assert b"matvecf_q8_0_n1\0" in cubin
@@ -101,37 +101,6 @@ def _ptx(source: str) -> str:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-@pytest.mark.parametrize("stages", [2, 4])
-@pytest.mark.parametrize("source", ["matvec_fast.cu", "fused.cu"])
-def test_pipelined_dp4a_rows_compile_and_copy_asynchronously(monkeypatch, source, stages):
-    """-DNTX_FAST_ASYNC=S builds the dp4a kernels with S cp.async stages a warp: clean for sm_80
-    and sm_90, the same kernels, and the weights reach shared memory through cp.async (which the
-    default build never uses). Their results are held to the default build on the GPU
-    (tests/cuda/test_pipelined_gpu.py)."""
-    assert "cp.async" not in _ptx(source)
-    monkeypatch.setenv("NTX_CUDA_DEFINES", f"-DNTX_FAST_ASYNC={stages}")
-    ptx = _ptx(source)
-    assert "cp.async.cg.shared.global" in ptx and f"cp.async.wait_group {stages - 1};" in ptx
-    for arch in ("sm_80", "sm_90"):
-        cubin, log = cuda_nvrtc.compile_cubin(source, arch)
-        assert "warning" not in log.lower(), log
-        names = ["matvecf_q4_k_n1", "matvecf_q6_k_n8"] if source == "matvec_fast.cu" else ["matvecf_swiglu_n1"]
-        assert all(n.encode() + b"\0" in cubin for n in names)
-
-
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_preloaded_attention_compiles(monkeypatch, arch):
-    """-DNTX_ATTN_PRELOAD=1 reaches attention.cu and builds every split kernel clean (results
-    against the default build: tests/cuda/test_pipelined_gpu.py)."""
-    default, _ = cuda_nvrtc.compile_cubin("attention.cu", arch)
-    monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_ATTN_PRELOAD=1")
-    cubin, log = cuda_nvrtc.compile_cubin("attention.cu", arch)
-    assert "warning" not in log.lower(), log
-    assert cubin != default
-    for v in (2, 3, 4, 8):
-        assert f"attn_gqa_scores_{v}\0".encode() in cubin and f"attn_gqa_pv_{v}\0".encode() in cubin
-
-
 def _first_weight_load_before_wait(ptx: str, kernel: str) -> bool:
     """Whether a weight load (ld.global.cs) comes before a PDL wait in the kernel's PTX (the
     compiler may copy the wait into several branches: the last one closes the path that loads)."""
@@ -145,7 +114,7 @@ def test_prewait_loads_the_first_weight_group_before_the_pdl_wait(monkeypatch):
     before griddepcontrol.wait; -DNTX_PRE_WAIT=0 waits first. Checked in the PTX of the one-weight
     kernels, whose blocks the compiler lays out in program order (in fused.cu the loading path
     jumps back to a wait placed earlier in the text, so only a change and a clean build are
-    checked there). Results against each other: tests/cuda/test_pipelined_gpu.py."""
+    checked there). Results against each other: tests/cuda/test_prewait_gpu.py."""
     kernels = ("matvecf_q4_k_n1", "matvecf_q6_k_n8", "matvecf_q8_0_n1")
     default_ptx, default_fused = _ptx("matvec_fast.cu"), _ptx("fused.cu")
     assert all(_first_weight_load_before_wait(default_ptx, k) for k in kernels)
@@ -156,12 +125,6 @@ def test_prewait_loads_the_first_weight_group_before_the_pdl_wait(monkeypatch):
         for arch in ("sm_80", "sm_90"):
             cubin, log = cuda_nvrtc.compile_cubin(source, arch)
             assert "warning" not in log.lower(), log
-
-
-def test_too_many_stages_are_refused_at_compile_time(monkeypatch):
-    monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_FAST_ASYNC=8")  # 4 warps x 8 x 1696 bytes > 48 KiB
-    with pytest.raises(CudaError, match="48 KiB of static shared memory"):
-        cuda_nvrtc.compile_cubin("fused.cu", "sm_90")
 
 
 def test_cache_reuses_cubin_and_keys_on_source(tmp_path):

@@ -31,11 +31,9 @@ def test_bench_variants():
     assert be.parse_variant("fast/split/pdl/fuse/mmq") == ("fast", "split", True, "all", True, None, ())
     assert be.parse_variant("staged/single/fuse=qkv+ffn") == ("staged", "single", False, "qkv,ffn", False, None, ())
     assert be.parse_variant("fast/split/fuse/gemm")[5] == "1" and be.parse_variant("fast/split/nogemm")[5] == "0"
-    assert be.parse_variant("fast/split/pdl/fuse/async=4")[-1] == ("-DNTX_FAST_ASYNC=4",)
-    assert be.parse_variant("fast/split/async=2/preload")[-1] == ("-DNTX_FAST_ASYNC=2", "-DNTX_ATTN_PRELOAD=1")
     assert be.parse_variant("fast/grid/pdl/noprewait/nopair")[1:2] + be.parse_variant("fast/grid/noprewait/nopair")[-1:] \
         == ("grid", ("-DNTX_PRE_WAIT=0", "-DNTX_SWIGLU_PAIR=0"))
-    for bad in ("fast/split/turbo", "fast/split/async=1", "fast/split/async=x", "fast/split/async=0"):
+    for bad in ("fast/split/turbo", "fast/split/async=4", "fast/split/preload", "fast/flash/pdl"):
         with pytest.raises(argparse.ArgumentTypeError):
             be.parse_variant(bad)
 
@@ -44,8 +42,8 @@ def test_bench_variant_defines_keep_the_callers_own(monkeypatch):
     from tests.cuda.conftest import _load_script
 
     be = _load_script("bench_engine")
-    monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_G_Q4_K=16 -DNTX_FAST_ASYNC=3 -DNTX_ATTN_PRELOAD=1")
-    assert be.variant_defines(("-DNTX_FAST_ASYNC=4",)) == "-DNTX_G_Q4_K=16 -DNTX_FAST_ASYNC=4"
+    monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_G_Q4_K=16 -DNTX_PRE_WAIT=2 -DNTX_SWIGLU_PAIR=0")
+    assert be.variant_defines(("-DNTX_PRE_WAIT=0",)) == "-DNTX_G_Q4_K=16 -DNTX_PRE_WAIT=0"
     assert be.variant_defines(()) == "-DNTX_G_Q4_K=16"
 
 
