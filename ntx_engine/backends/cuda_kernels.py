@@ -295,11 +295,12 @@ class Kernels:
         """Blocks an SM the grid attention may use: 2 when the occupancy calculator says two of
         its blocks (with the shared memory of that shape) fit an SM, else 1; NTX_CUDA_GRID_PER_SM
         caps it (1 or 2)."""
-        cap = int(os.environ.get("NTX_CUDA_GRID_PER_SM", "2"))
-        if cap not in (1, 2):
+        text = os.environ.get("NTX_CUDA_GRID_PER_SM", "2")
+        if text not in ("1", "2"):
             from ntx_common.errors import UsageError
 
-            raise UsageError(f"NTX_CUDA_GRID_PER_SM must be 1 or 2, not {cap}")
+            raise UsageError(f"NTX_CUDA_GRID_PER_SM must be 1 or 2, not {text!r}")
+        cap = int(text)
         shape = grid_attn_shape(n_head, n_kv, head_dim, n_ctx, self.device.sm_count, self.device.max_smem_optin, 2)
         if cap == 1 or shape is None:
             return 1

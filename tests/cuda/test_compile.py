@@ -251,3 +251,17 @@ def test_decode_matvecs_do_not_spill(monkeypatch):
         found = re.findall(r"Function properties for (\w+_n1)\n.*?(\d+) bytes spill stores", log)
         assert found, f"no ptxas report for the _n1 kernels of {source}"
         assert all(int(spill) == 0 for _, spill in found), found
+
+
+@pytest.mark.parametrize("value", ["3", "two", ""])
+def test_grid_blocks_per_sm_setting_is_checked(monkeypatch, value):
+    """NTX_CUDA_GRID_PER_SM takes 1 or 2; anything else is a usage error naming the variable
+    (checked before the GPU is asked anything)."""
+    from types import SimpleNamespace
+
+    from ntx_common.errors import UsageError
+    from ntx_engine.backends.cuda_kernels import Kernels
+
+    monkeypatch.setenv("NTX_CUDA_GRID_PER_SM", value)
+    with pytest.raises(UsageError, match="NTX_CUDA_GRID_PER_SM must be 1 or 2"):
+        Kernels.grid_per_sm(SimpleNamespace(), 32, 8, 128, 1024)
