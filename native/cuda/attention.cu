@@ -132,23 +132,7 @@ __device__ void gqa_scores(const float* __restrict__ q, const uint16_t* __restri
     for (int p = p0 + warp; p < p1; p += ATTN_WARPS) {
         float kf[V], s[ATTN_GMAX];
         ld_halves<V>(kc + (size_t)p * kv_dim + kvh * hd + lane * V, kf);
-#pragma unroll
-        for (int g = 0; g < ATTN_GMAX; ++g) {
-            if (g >= G) break;
-            const float* qh = qs + g * hd + lane * V;
-            s[g] = 0.f;
-#pragma unroll
-            for (int i = 0; i < V; ++i) s[g] += qh[i] * kf[i];
-        }
-        // the G butterflies side by side: 5 dependent steps, not 5 G
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-            for (int g = 0; g < ATTN_GMAX; ++g) {
-                if (g >= G) break;
-                s[g] += __shfl_xor_sync(0xffffffffu, s[g], o);
-            }
-        }
+        group_dots<V, ATTN_GMAX>(qs, kf, G, lane, s);
 #pragma unroll
         for (int g = 0; g < ATTN_GMAX; ++g) {
             if (g >= G) break;

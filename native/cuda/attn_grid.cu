@@ -39,12 +39,6 @@ __device__ __forceinline__ unsigned int ld_acquire(const unsigned int* p) {
     return v;
 }
 
-__device__ __forceinline__ unsigned long long global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
 // Arrive at *ctr and wait until `target` blocks have: the block's global writes before it are
 // visible to the group's blocks after it (the release add publishes what the block barrier
 // ordered before thread 0's arrival; the acquire load orders the reads after it).
@@ -95,22 +89,7 @@ __device__ __forceinline__ void scores(const uint16_t* kc, size_t col, int kv_di
             const int p = base + warp + AG_WARPS * j;
             if (p >= p1) break;
             float s[AG_GMAX];
-#pragma unroll
-            for (int g = 0; g < AG_GMAX; ++g) {
-                if (g >= G) break;
-                const float* qh = qa + g * 32 * V + lane * V;
-                s[g] = 0.f;
-#pragma unroll
-                for (int i = 0; i < V; ++i) s[g] += qh[i] * kf[j][i];
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-                for (int g = 0; g < AG_GMAX; ++g) {
-                    if (g >= G) break;
-                    s[g] += __shfl_xor_sync(0xffffffffu, s[g], o);
-                }
-            }
+            group_dots<V, AG_GMAX>(qa, kf[j], G, lane, s);
 #pragma unroll
             for (int g = 0; g < AG_GMAX; ++g) {
                 if (g >= G) break;

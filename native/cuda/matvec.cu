@@ -3,13 +3,9 @@
 // weight type's vec_dot_type; one warp per output row, lanes striding over 32-element units.
 #include "ntx_quants.cuh"
 #include "act_quant.cuh"
+#include "warp.cuh"
 
 #define NTX_WARPS 4  // rows per thread block
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 __device__ __forceinline__ float dot32(const float* w, const float* x) {
     const float4* x4 = reinterpret_cast<const float4*>(x);
@@ -148,11 +144,6 @@ NTX_FOR_EACH_TYPE(NTX_MATVEC)
 
 // --- activation quantization: x (total,) -> x_hat (total,) [+ s (total/32,)] ---------------
 // One warp per block, lanes over its values (coalesced); the scalar steps are act_quant.cuh's.
-
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 
 // Q8_0 (s == nullptr) and Q8_1 (s: fp16(d * sum(q)) per block)
 extern "C" __global__ void quant_q8_1(const float* x, float* x_hat, float* s, int nblocks) {

@@ -6,6 +6,7 @@
 #include "ntx_quants.cuh"
 #include "act_quant.cuh"
 #include "rmsnorm.cuh"
+#include "warp.cuh"
 
 // Launch shape (overridable for tuning runs, cuda_nvrtc.TUNABLE): rows (warps) per block, the
 // minimum resident blocks per SM of the n1 kernels (caps their registers), and blocks per group.
@@ -24,16 +25,6 @@
 #ifndef NTX_G_Q8_0
 #define NTX_G_Q8_0 32
 #endif
-
-__device__ __forceinline__ float fwarp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float fwarp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 
 // Eight 32-bit words from a 2-byte aligned shared-memory address: aligned word loads joined with
 // a funnel shift (the stage has 16 bytes of padding for the ninth word).
@@ -127,6 +118,16 @@ __device__ __forceinline__ void load_group(uint4* r, const uint8_t* __restrict__
     }
 }
 
+// This lane's chunks of a group (nbytes of it exist) from registers into the warp's stage.
+template <class F>
+__device__ __forceinline__ void stage_group(uint8_t* st, const uint4* r, int nbytes, int lane) {
+#pragma unroll
+    for (int c = 0; c < FastGroup<F>::CH; ++c) {
+        const int off = 16 * (lane + 32 * c);
+        if (off < nbytes) *reinterpret_cast<uint4*>(st + off) = r[c];
+    }
+}
+
 // The units of one group (blocks g0.. of the row, staged at sg) against the n activation rows:
 // lane u takes units u, u + 32, ... (k32 = k / 32 comes from the caller).
 template <class F, int N>
@@ -212,19 +213,14 @@ __device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row,
         load_group<F>(r, wrow, min(Grp::BYTES, row_bytes), lane);
     }
     for (int g0 = 0; g0 < nb; g0 += F::G) {
-        const int nbytes = min(Grp::BYTES, row_bytes - g0 * F::B::BYTES);
-#pragma unroll
-        for (int c = 0; c < Grp::CH; ++c) {
-            const int off = 16 * (lane + 32 * c);
-            if (off < nbytes) *reinterpret_cast<uint4*>(st + off) = r[c];
-        }
+        stage_group<F>(st, r, min(Grp::BYTES, row_bytes - g0 * F::B::BYTES), lane);
         __syncwarp();
         next_group<F, PRE>(r, pre, wrow, g0, row_bytes, lane);
         decode_group<F, N>(st, g0, nb, xq, xd, xs, k, k32, n, lane, acc);
         __syncwarp();
     }
 #pragma unroll
-    for (int t = 0; t < N; ++t) acc[t] = fwarp_sum(acc[t]);
+    for (int t = 0; t < N; ++t) acc[t] = warp_sum(acc[t]);
 }
 
 // decode_group for rows A and B of the same type at once: each unit's activations are loaded
@@ -248,7 +244,8 @@ __device__ __forceinline__ void decode_group2(const uint8_t* sa, const uint8_t* 
 
 // Row `row` of Wa and of Wb (same type and k) times one activation row, by one warp, the two
 // rows' groups streamed side by side (two stages at st): fast_row's results for each, bit for bit.
-// pre: the rows' fast_row_start loads (row a's at pre, row b's at pre + NTX_PRE_SLOTS), or null.
+// pre: the rows' fast_row_start loads when NTX_PRE_WAIT (row a's at pre, row b's at
+// pre + NTX_PRE_SLOTS); unread otherwise.
 template <class F>
 __device__ __forceinline__ void fast_row_pair(const uint8_t* __restrict__ Wa, const uint8_t* __restrict__ Wb,
                                               int row, const int8_t* __restrict__ xq, const float* __restrict__ xd,
@@ -260,8 +257,9 @@ __device__ __forceinline__ void fast_row_pair(const uint8_t* __restrict__ Wa, co
     const uint8_t* rb = Wb + (size_t)row * row_bytes;
     uint8_t* sb = st + NTX_FAST_STAGE;
     *a = *b = 0.f;
+    constexpr bool PRE = NTX_PRE_WAIT > 0;
     uint4 qa[Grp::CH], qb[Grp::CH];
-    if (NTX_PRE_WAIT > 0 && pre != nullptr) {
+    if constexpr (PRE) {
 #pragma unroll
         for (int c = 0; c < Grp::CH; ++c) qa[c] = pre[c], qb[c] = pre[NTX_PRE_SLOTS + c];
     } else {
@@ -271,7 +269,7 @@ __device__ __forceinline__ void fast_row_pair(const uint8_t* __restrict__ Wa, co
     for (int g0 = 0; g0 < nb; g0 += F::G) {
         const int nbytes = min(Grp::BYTES, row_bytes - g0 * F::B::BYTES);
 #pragma unroll
-        for (int c = 0; c < Grp::CH; ++c) {
+        for (int c = 0; c < Grp::CH; ++c) {  // stage_group for both rows, their stores interleaved
             const int off = 16 * (lane + 32 * c);
             if (off < nbytes) {
                 *reinterpret_cast<uint4*>(st + off) = qa[c];
@@ -279,18 +277,13 @@ __device__ __forceinline__ void fast_row_pair(const uint8_t* __restrict__ Wa, co
             }
         }
         __syncwarp();
-        if (NTX_PRE_WAIT > 0 && pre != nullptr) {
-            next_group<F, true>(qa, pre, ra, g0, row_bytes, lane);
-            next_group<F, true>(qb, pre + NTX_PRE_SLOTS, rb, g0, row_bytes, lane);
-        } else {
-            next_group<F, false>(qa, nullptr, ra, g0, row_bytes, lane);
-            next_group<F, false>(qb, nullptr, rb, g0, row_bytes, lane);
-        }
+        next_group<F, PRE>(qa, pre, ra, g0, row_bytes, lane);
+        next_group<F, PRE>(qb, pre + NTX_PRE_SLOTS, rb, g0, row_bytes, lane);
         decode_group2<F>(st, sb, g0, nb, xq, xd, xs, lane, a, b);
         __syncwarp();
     }
-    *a = fwarp_sum(*a);
-    *b = fwarp_sum(*b);
+    *a = warp_sum(*a);
+    *b = warp_sum(*b);
 }
 
 // Type codes of the fused kernels (cuda_kernels.FAST_CODES).
@@ -335,10 +328,10 @@ __device__ __forceinline__ void quanti_q8_1_from(const float* xb, int8_t* xq, fl
                                                  int lane) {
     const float v = xb[lane];
     float d, inv;
-    ntx_q8_scale(fwarp_max(fabsf(v)), &d, &inv);
+    ntx_q8_scale(warp_max(fabsf(v)), &d, &inv);
     const float q = ntx_q8_q(v, inv);
     xq[32 * b + lane] = (int8_t)(int)q;
-    const float sum = fwarp_sum(q);  // small integers: exact in any order
+    const float sum = warp_sum(q);  // small integers: exact in any order
     if (lane == 0) {
         xd[b] = ntx_round_f16(d);
         xs[b] = sum;
@@ -361,7 +354,7 @@ __device__ __forceinline__ void quanti_q8_k_from(const float* xb, int8_t* xq, fl
     for (int i = 0; i < 8; ++i) {
         const float q = ntx_q8k_q(v[i], iscale);
         xq[256 * b + lane + 32 * i] = (int8_t)(int)q;
-        const float sum = fwarp_sum(q);
+        const float sum = warp_sum(q);
         if (lane == 0) {
             xd[8 * b + i] = d;
             xs[8 * b + i] = sum;

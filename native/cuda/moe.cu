@@ -5,24 +5,10 @@
 // build_moe_ffn. The expert ids stay in device memory, so a decode step with MoE layers can be
 // captured in a CUDA graph like a dense one.
 #include "ntx_quants.cuh"
+#include "warp.cuh"
 
 #define NTX_MOE_WARPS 4          // output rows per thread block of moe_matvec_*
 #define NTX_MOE_MAX_EXPERTS 1024 // router width moe_route keeps in shared memory
-
-__device__ __forceinline__ float moe_warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-__device__ __forceinline__ float moe_warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ double moe_warp_sum_d(double v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 // logits (n, n_expert) -> ids (n, k) int32 and weights (n, k): softmax (exp in float, the sum in
 // double as ggml does), the k largest probabilities (equal ones: the lower id first), divided by
@@ -35,13 +21,13 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __re
     const float* x = logits + (size_t)t * n_expert;
     float m = -__int_as_float(0x7f800000);  // -inf (NVRTC has no <math.h> INFINITY)
     for (int e = lane; e < n_expert; e += 32) m = fmaxf(m, x[e]);
-    m = moe_warp_max(m);
+    m = warp_max(m);
     double sum = 0.0;
     for (int e = lane; e < n_expert; e += 32) {
         p[e] = expf(__fsub_rn(x[e], m));
         sum += p[e];
     }
-    const float inv = (float)(1.0 / moe_warp_sum_d(sum));
+    const float inv = (float)(1.0 / warp_sum_d(sum));
     for (int e = lane; e < n_expert; e += 32) p[e] = __fmul_rn(p[e], inv);
     __syncwarp();
     int* ids_t = ids + (size_t)t * k;
@@ -107,7 +93,7 @@ __device__ void moe_matvec_body(const uint8_t* __restrict__ W, const float* __re
         if (T::HAS_MIN) d += m * s[col / 32];
         acc += d;
     }
-    acc = moe_warp_sum(acc);
+    acc = warp_sum(acc);
     if (lane == 0) Y[((size_t)t * n_used + slot) * rows + row] = acc;
 }
 

@@ -2,6 +2,7 @@
 #include "ntx_half.cuh"
 #include "rmsnorm.cuh"
 #include "ops.cuh"
+#include "warp.cuh"
 
 // out (n, k) = x * (1 / sqrt(mean(x^2) + eps)) * w; the mean is summed in double as ggml does.
 extern "C" __global__ void __launch_bounds__(NTX_NORM_THREADS) rmsnorm(const float* __restrict__ x, const float* __restrict__ w,
@@ -83,10 +84,8 @@ extern "C" __global__ void argmax(const float* x, int n, int* out) {
 // Busy the stream for `us` microseconds (the per-kernel profile of scripts/bench_cuda.py queues a
 // whole decode step behind it, so its CUDA events time the GPU, not Python's launch rate).
 extern "C" __global__ void spin_us(int us) {
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    const unsigned long long t0 = global_ns();
     do {
         __nanosleep(1000);
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    } while (t - t0 < 1000ull * (unsigned long long)us);
+    } while (global_ns() - t0 < 1000ull * (unsigned long long)us);
 }
