@@ -188,11 +188,12 @@ def attention_table(backend, contexts=(576, 2048, 4096, 8192), l2_bytes: int = 1
         runs = [("attn_gqa (2 kernels)", lambda kc, vc: k.attention_gqa(q, kc, vc, o, pos, n_head, n_kv, hd, t, scale,
                                                                        split, b.stream))]
         for per_sm in (1, k.grid_per_sm(n_head, n_kv, hd, t)):
-            nb, _ = grid_attn_shape(n_head, n_kv, hd, t, b.device.sm_count, b.device.max_smem_optin, per_sm)
+            shape = grid_attn_shape(n_head, n_kv, hd, t, b.device.sm_count, b.device.max_smem_optin, per_sm)
+            nb = shape[0]
             grid = (b._new(n_head, nb), b._new(n_head, nb, dtype=np.float64), b._new(n_head, nb, hd),
                     upload(b.pool, np.zeros(2 * n_kv, np.uint32), b.stream))
-            runs.append((f"attn_grid {nb} blocks a KV head", lambda kc, vc, g=grid, ps=per_sm: k.attention_grid(
-                q, kc, vc, o, pos, n_head, n_kv, hd, t, scale, g, b.stream, None, ps)))
+            runs.append((f"attn_grid {nb} blocks a KV head", lambda kc, vc, g=grid, sh=shape: k.attention_grid(
+                q, kc, vc, o, pos, n_head, n_kv, hd, sh, scale, g, b.stream)))
         for name, fn in runs:
             fns = [lambda kc=kc, vc=vc, fn=fn: fn(kc, vc) for kc, vc in caches * 2]
             us = graph_us(b, fns)

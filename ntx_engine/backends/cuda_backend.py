@@ -409,8 +409,8 @@ class CudaBackend:
             nb = grid[0]
             scratch = (self._new(c.n_head, nb), self._new(c.n_head, nb, dtype=np.float64),
                        self._new(c.n_head, nb, c.head_dim), self._grid_counters)
-            self.k.attention_grid(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, self.n_ctx, scale,
-                                  scratch, self.stream, self._attn_quant(out), self._grid_per_sm)
+            self.k.attention_grid(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, grid, scale,
+                                  scratch, self.stream, self._attn_quant(out))
             self._last_attn = out
             return out
         if self.attn != "single" and n == 1 and gqa_split_ok(c.n_head, c.n_head_kv, c.head_dim):
@@ -427,11 +427,14 @@ class CudaBackend:
         return out
 
     def _grid_shape(self) -> tuple[int, int] | None:
-        c, dev = self._model(), self.k.device
-        if self._grid_per_sm is None:  # once a model: an occupancy query
-            self._grid_per_sm = self.k.grid_per_sm(c.n_head, c.n_head_kv, c.head_dim, self.n_ctx)
-        return grid_attn_shape(c.n_head, c.n_head_kv, c.head_dim, self.n_ctx, dev.sm_count, dev.max_smem_optin,
-                               self._grid_per_sm)
+        """The grid attention's (nb, rmax) for this model and n_ctx, None where it cannot run;
+        found once a model (it asks the occupancy calculator)."""
+        if self._grid is None:
+            c, dev = self._model(), self.k.device
+            per_sm = self.k.grid_per_sm(c.n_head, c.n_head_kv, c.head_dim, self.n_ctx)
+            self._grid = grid_attn_shape(c.n_head, c.n_head_kv, c.head_dim, self.n_ctx, dev.sm_count,
+                                         dev.max_smem_optin, per_sm) or ()
+        return self._grid or None
 
     def _attn_quant(self, out: DeviceArray) -> tuple | None:
         """"attn": (xq, xd, xs, qmode) for the decode attention to quantize out as the matmul
@@ -501,7 +504,7 @@ class CudaBackend:
                             upload(self.pool, np.zeros(cfg.n_head_kv, np.uint32), self.stream),
                             self._new(cfg.n_head), self._new(cfg.n_head, dtype=np.float64))
         # the grid attention's per-KV-head counters: its barrier, its last block (zero between launches)
-        self._grid_per_sm: int | None = None
+        self._grid: tuple | None = None  # _grid_shape's answer: None until asked, () when it cannot run
         self._grid_counters = upload(self.pool, np.zeros(2 * cfg.n_head_kv, np.uint32), self.stream)
         self._last_attn, self._attn_key = None, None
         self.pos_buf = self._new(n_ctx, dtype=np.int32)

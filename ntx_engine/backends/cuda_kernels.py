@@ -311,14 +311,13 @@ class Kernels:
                      f"cuOccupancyMaxActiveBlocksPerMultiprocessor({name})")
         return 2 if int(fits) >= 2 else 1
 
-    def attention_grid(self, q, kc, vc, out, pos, n_head, n_kv, head_dim, n_ctx, scale, scratch, stream,
-                       quant=None, per_sm: int = 1) -> None:
-        """Decode attention of one token in one launch (attn_grid.cu), grid (nb, n_kv) from
-        grid_attn_shape(..., per_sm), which must not be None. scratch = (cmax (n_head, nb) float32,
-        psum (n_head, nb) float64, part (n_head, nb, head_dim) float32, 2 * n_kv uint32 counters
-        that start at zero (the kernel leaves them so)); quant as attention_gqa's."""
-        nb, rmax = grid_attn_shape(n_head, n_kv, head_dim, n_ctx, self.device.sm_count, self.device.max_smem_optin,
-                                   per_sm)
+    def attention_grid(self, q, kc, vc, out, pos, n_head, n_kv, head_dim, shape, scale, scratch, stream,
+                       quant=None) -> None:
+        """Decode attention of one token in one launch (attn_grid.cu), grid (nb, n_kv) for
+        shape = (nb, rmax) from grid_attn_shape. scratch = (cmax (n_head, nb) float32, psum
+        (n_head, nb) float64, part (n_head, nb, head_dim) float32, 2 * n_kv uint32 counters that
+        start at zero (the kernel leaves them so)); quant as attention_gqa's."""
+        nb, rmax = shape
         cmax, psum, part, counters = scratch
         xq, xd, xs, qmode = quant if quant is not None else (None, None, None, 0)
         name, smem = f"attn_grid_{head_dim // 32}", 4 * (n_head // n_kv) * rmax
