@@ -11,10 +11,16 @@
 // Rounding: q to fp16, scores in float, p = fp16(exp(s - M) / S) with M the global max, as the
 // numpy backend and the split kernels. Only S is formed differently: each block sums
 // exp(s - m_b) over its positions in double with its own max m_b, and after the barrier every
-// block forms S = sum_b exp(m_b - M) S_b in double, in block order (the same value everywhere).
+// block forms S = sum_b exp(m_b - M) S_b in double, in a fixed butterfly order (the same value
+// everywhere).
 // That is the exact sum up to ~1e-7 relative: a probability's fp16 rounding can differ by one
 // unit where exp(s - M) / S lies that close to a rounding boundary (a few of the ~18k a layer of
 // Llama-3-8B at 576 positions). p.V sums run in (block, position group, position) order.
+//
+// RoPE fused (decode, the default where the grid kernel runs): the kernel takes q, k and v before
+// RoPE, rotates the group's q itself, and the block holding the new position rotates its k and
+// stores k and v into the caches (rope_kv's work; one launch less a layer), all bit for bit as
+// rope_kv. The group size may be fixed at compile time (attn_grid_<V>_g<G>): a third of the code.
 //
 // The barrier needs every block of the grid resident at once: the host sizes the grid to at most
 // the blocks an SM holds (two, by the launch bounds and the occupancy calculator;
@@ -23,13 +29,13 @@
 #include "ntx_half.cuh"
 #include "matvec_fast.cuh"  // the int8 activation quantizers (fused output quantization)
 #include "attn_common.cuh"
+#include "ops.cuh"  // ntx_rope_pair: the fused RoPE and KV store of the new position
 
 #define AG_THREADS 256
 #define AG_WARPS (AG_THREADS / 32)
 #define AG_GMAX 16      // query heads a KV head
 #define AG_QMAX 4096    // their values
 #define AG_NBMAX 32     // blocks a KV head: one lane each in the statistics
-#define AG_MINR 16      // positions a block at least (short contexts use fewer blocks)
 #define AG_VP 16        // V words a thread loads at once
 #define AG_DEADLINE_NS 2000000000ull
 
@@ -79,19 +85,22 @@ __device__ __forceinline__ void v_words(const uint16_t* vc, size_t col, int kv_d
 
 // Scores of positions p0..p1-1 for the group's G heads into sc[g * rmax + p - p0]; m[g]: the
 // thread's running maxima. qa holds the fp16-rounded q of the group.
-template <int V, int KP>
+// pnew: the position whose K row is knew (shared memory; -1: none), not the cache's.
+template <int V, int KP, int GM>
 __device__ __forceinline__ void scores(const uint16_t* kc, size_t col, int kv_dim, int p0, int p1, const float* qa,
-                                       int G, int rmax, float scale, float (*kf)[V], float* sc, float* m) {
+                                       int G, int rmax, float scale, float (*kf)[V], float* sc, float* m, int pnew,
+                                       const uint16_t* knew) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int base = p0;;) {
 #pragma unroll
         for (int j = 0; j < KP; ++j) {
             const int p = base + warp + AG_WARPS * j;
             if (p >= p1) break;
-            float s[AG_GMAX];
-            group_dots<V, AG_GMAX>(qa, kf[j], G, lane, s);
+            if (p == pnew) ld_halves<V>(knew + lane * V, kf[j]);
+            float s[GM];
+            group_dots<V, GM>(qa, kf[j], G, lane, s);
 #pragma unroll
-            for (int g = 0; g < AG_GMAX; ++g) {
+            for (int g = 0; g < GM; ++g) {
                 if (g >= G) break;
                 const float v = s[g] * scale;
                 if (lane == g) sc[g * rmax + p - p0] = v;
@@ -106,7 +115,7 @@ __device__ __forceinline__ void scores(const uint16_t* kc, size_t col, int kv_di
 
 // The group's softmax max gm and double exp sum gs from the nact blocks' maxima m_b and sums
 // S_b = sum exp(s - m_b) at vals[(h0 + g) * nb + b]: gm = max m_b, gs = sum_b exp(m_b - gm) S_b
-// added in block order (the same value in every block); a warp a query head, a lane a block.
+// by a fixed butterfly (the same value in every block); a warp a query head, a lane a block.
 __device__ __forceinline__ void group_stats(const float* cmax, const double* psum, int h0, int G, int nb, int nact,
                                             float* gm, double* gs) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -115,9 +124,8 @@ __device__ __forceinline__ void group_stats(const float* cmax, const double* psu
         const float m = lane < nact ? __ldcg(cmax + i) : -3.402823466e38f;
         const double part = lane < nact ? __ldcg(psum + i) : 0.0;
         const float M = warp_max(m);
-        const double v = lane < nact ? exp((double)m - (double)M) * part : 0.0;
-        double t = 0.0;
-        for (int b = 0; b < nact; ++b) t += __shfl_sync(0xffffffffu, v, b);
+        // a butterfly: 5 dependent steps (was 32 in block order), the same bits in every lane
+        const double t = warp_sum_d(lane < nact ? exp((double)m - (double)M) * part : 0.0);
         if (lane == 0) {
             gm[g] = M;
             gs[g] = t;
@@ -126,37 +134,89 @@ __device__ __forceinline__ void group_stats(const float* cmax, const double* psu
     __syncthreads();
 }
 
-template <int V>
+// The fused RoPE (rope_kv's work for one decode token): the raw k and v rows of the token, the
+// frequency factors and the rope parameters (ops.cuh's ntx_rope_pair). k == nullptr: q arrives
+// rotated and the cache already holds the new position.
+struct RopeIn {
+    const float* k;
+    const float* v;
+    const float* ff;
+    int rope_dim;
+    float scale, freq_scale;
+    int neox;
+};
+
+// q of the group's heads (pairs of G heads) rotated for position pos, fp16-rounded, into qa: the
+// values rope_kv writes and the attention then rounds.
+__device__ __forceinline__ void rope_group(const float* q, int pairs, int hd, int pos, const RopeIn& ri, float* qa) {
+    for (int i = threadIdx.x; i < pairs; i += AG_THREADS) {
+        int a, b;
+        float o0, o1;
+        ntx_rope_pair(q, i, hd, ri.rope_dim, pos, ri.ff, ri.scale, ri.freq_scale, ri.neox, &a, &b, &o0, &o1);
+        qa[a] = ntx_round_f16(o0);
+        qa[b] = ntx_round_f16(o1);
+    }
+}
+
+// The KV head's new K row (rotated) and V row as fp16 into the caches at position p and into
+// knew / vnew: rope_kv's stores, bit for bit.
+__device__ __forceinline__ void store_new_kv(const RopeIn& ri, size_t col, int hd, int kv_dim, int p, uint16_t* kc,
+                                             uint16_t* vc, uint16_t* knew, uint16_t* vnew) {
+    const size_t dst = (size_t)p * kv_dim + col;
+    for (int i = threadIdx.x; i < hd / 2; i += AG_THREADS) {
+        int a, b;
+        float o0, o1;
+        ntx_rope_pair(ri.k + col, i, hd, ri.rope_dim, p, ri.ff, ri.scale, ri.freq_scale, ri.neox, &a, &b, &o0, &o1);
+        knew[a] = kc[dst + a] = ntx_f2h(o0);
+        knew[b] = kc[dst + b] = ntx_f2h(o1);
+    }
+    for (int i = threadIdx.x; i < hd; i += AG_THREADS) vnew[i] = vc[dst + i] = ntx_f2h(ri.v[col + i]);
+}
+
+template <int V, int GC>
 __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restrict__ kc,
                           const uint16_t* __restrict__ vc, float* out, const int* __restrict__ pos, int n_head,
-                          int n_kv, int nb, int rmax, float scale, float* cmax, double* psum, float* part,
-                          unsigned int* ctr, int8_t* xq, float* xd, float* xs, int qmode) {
-    constexpr int hd = 32 * V, D2 = hd / 2, PG = AG_THREADS / D2, KP = V >= 8 ? 4 : 8;
+                          int n_kv, int nb, int rmax, int minr, float scale, float* cmax, double* psum, float* part,
+                          unsigned int* ctr, int8_t* xq, float* xd, float* xs, int qmode, const RopeIn ri) {
+    // GC: the GQA group size when fixed at compile time (0: n_head / n_kv at run time, up to
+    // AG_GMAX): the head loops then have fixed trip counts, a fraction of the generic kernel's code
+    constexpr int hd = 32 * V, D2 = hd / 2, PG = AG_THREADS / D2, KP = V >= 8 ? 4 : 8, GM = GC ? GC : AG_GMAX;
     extern __shared__ float sc[];  // G * rmax: scores, then exp(s - M), then the fp16 probabilities
     __shared__ float qa[AG_QMAX];  // the group's q (fp16-rounded), later its p.V sums
     __shared__ float wm[AG_WARPS][AG_GMAX], bm[AG_GMAX], gm[AG_GMAX];
     __shared__ double gs[AG_GMAX];
     __shared__ bool last;
-    const int G = n_head / n_kv, c = blockIdx.x, kvh = blockIdx.y, h0 = kvh * G, T = pos[0] + 1;
-    const int R = max((T + nb - 1) / nb, AG_MINR), nact = (T + R - 1) / R;
+    __shared__ __align__(16) uint16_t knew[32 * 8], vnew[32 * 8];  // the new position's K and V rows (fp16)
+    const int G = GC ? GC : n_head / n_kv, c = blockIdx.x, kvh = blockIdx.y, h0 = kvh * G, T = pos[0] + 1;
+    // positions a block: at least minr (<= rmax), so short contexts use fewer blocks
+    const int R = max((T + nb - 1) / nb, minr), nact = (T + R - 1) / R;
     if (c >= nact) return;  // a short context: fewer blocks, none of them counted
     const int p0 = c * R, p1 = min(p0 + R, T), n = p1 - p0, kv_dim = n_kv * hd;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, dt = threadIdx.x % D2, pg = threadIdx.x / D2;
     const size_t col = (size_t)kvh * hd;
+    // with the RoPE fused (ri.k set), the block holding the new position P = T - 1 stores its K and
+    // V rows and reads them from shared memory: its loads of row P may see the cache before the store
+    const int pnew = ri.k != nullptr && T - 1 >= p0 && T - 1 < p1 ? T - 1 : -1;
     // every load of the first pass in flight before any arithmetic
     uint32_t vw[AG_VP];
     v_words<PG>(vc, col, kv_dim, p0, p1, dt, pg, vw);
     float kf[KP][V];
     k_rows<V, KP>(kc, col, kv_dim, p0, p1, kf);
-    for (int i = threadIdx.x; i < G * hd; i += AG_THREADS) qa[i] = ntx_round_f16(q[(size_t)h0 * hd + i]);
+    if (ri.k == nullptr) {
+        for (int i = threadIdx.x; i < G * hd; i += AG_THREADS) qa[i] = ntx_round_f16(q[(size_t)h0 * hd + i]);
+    } else {
+        rope_group(q + (size_t)h0 * hd, G * D2, hd, T - 1, ri, qa);
+        if (pnew >= 0) store_new_kv(ri, col, hd, kv_dim, pnew, const_cast<uint16_t*>(kc), const_cast<uint16_t*>(vc),
+                                    knew, vnew);
+    }
     __syncthreads();
-    float m[AG_GMAX];
+    float m[GM];
 #pragma unroll
-    for (int g = 0; g < AG_GMAX; ++g) m[g] = -3.402823466e38f;
-    scores<V, KP>(kc, col, kv_dim, p0, p1, qa, G, rmax, scale, kf, sc, m);
+    for (int g = 0; g < GM; ++g) m[g] = -3.402823466e38f;
+    scores<V, KP, GM>(kc, col, kv_dim, p0, p1, qa, G, rmax, scale, kf, sc, m, pnew, knew);
     if (lane == 0) {
 #pragma unroll
-        for (int g = 0; g < AG_GMAX; ++g) {
+        for (int g = 0; g < GM; ++g) {
             if (g >= G) break;
             wm[warp][g] = m[g];
         }
@@ -181,17 +241,18 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
         for (int j = threadIdx.x; j < n; j += AG_THREADS)
             sc[g * rmax + j] = ntx_round_f16((float)((double)expf(sc[g * rmax + j] - gm[g]) / gs[g]));
     __syncthreads();
-    float a0[AG_GMAX], a1[AG_GMAX];
+    float a0[GM], a1[GM];
 #pragma unroll
-    for (int g = 0; g < AG_GMAX; ++g) a0[g] = a1[g] = 0.f;
+    for (int g = 0; g < GM; ++g) a0[g] = a1[g] = 0.f;
     for (int base = p0;;) {
 #pragma unroll
         for (int j = 0; j < AG_VP; ++j) {
             const int p = base + pg + PG * j;
             if (pg >= PG || p >= p1) break;
-            const float v0 = ntx_h2f((uint16_t)(vw[j] & 0xffffu)), v1 = ntx_h2f((uint16_t)(vw[j] >> 16));
+            const uint32_t w = p == pnew ? *reinterpret_cast<const uint32_t*>(vnew + 2 * dt) : vw[j];
+            const float v0 = ntx_h2f((uint16_t)(w & 0xffffu)), v1 = ntx_h2f((uint16_t)(w >> 16));
 #pragma unroll
-            for (int g = 0; g < AG_GMAX; ++g) {
+            for (int g = 0; g < GM; ++g) {
                 if (g >= G) break;
                 const float pr = sc[g * rmax + p - p0];
                 a0[g] += pr * v0;
@@ -205,7 +266,7 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
     for (int r = 0; r < PG; ++r) {  // the position groups' sums, in group order
         if (pg == r) {
 #pragma unroll
-            for (int g = 0; g < AG_GMAX; ++g) {
+            for (int g = 0; g < GM; ++g) {
                 if (g >= G) break;
                 float* dst = qa + g * hd + 2 * dt;
                 dst[0] = r == 0 ? a0[g] : dst[0] + a0[g];
@@ -248,17 +309,25 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
     }
 }
 
-#define NTX_GRID_ATTN(V)                                                                                          \
+#define NTX_GRID_ATTN(V, GC, name)                                                                                \
     extern "C" __global__ void __launch_bounds__(AG_THREADS, 2)                                                   \
-    attn_grid_##V(const float* q, const uint16_t* kc, const uint16_t* vc, float* out, const int* pos, int n_head, \
-                  int n_kv, int nb, int rmax, float scale, float* cmax, double* psum, float* part,               \
-                  unsigned int* ctr, int8_t* xq, float* xd, float* xs, int qmode) {                               \
+    name(const float* q, const uint16_t* kc, const uint16_t* vc, float* out, const int* pos, int n_head,          \
+         int n_kv, int nb, int rmax, int minr, float scale, float* cmax, double* psum, float* part,              \
+         unsigned int* ctr, int8_t* xq, float* xd, float* xs, int qmode, const float* rk, const float* rv,        \
+         const float* ff, int rope_dim, float rscale, float freq_scale, int neox) {                               \
         NTX_PDL();                                                                                                \
-        grid_attn<V>(q, kc, vc, out, pos, n_head, n_kv, nb, rmax, scale, cmax, psum, part, ctr, xq, xd, xs,       \
-                     qmode);                                                                                      \
+        const RopeIn ri = {rk, rv, ff, rope_dim, rscale, freq_scale, neox};                                       \
+        grid_attn<V, GC>(q, kc, vc, out, pos, n_head, n_kv, nb, rmax, minr, scale, cmax, psum, part, ctr, xq, xd, \
+                         xs, qmode, ri);                                                                          \
     }
 
-NTX_GRID_ATTN(2)  // head_dim 64
-NTX_GRID_ATTN(3)  // 96
-NTX_GRID_ATTN(4)  // 128
-NTX_GRID_ATTN(8)  // 256
+// any GQA group size (n_head / n_kv <= AG_GMAX), by head_dim
+NTX_GRID_ATTN(2, 0, attn_grid_2)  // head_dim 64
+NTX_GRID_ATTN(3, 0, attn_grid_3)  // 96
+NTX_GRID_ATTN(4, 0, attn_grid_4)  // 128
+NTX_GRID_ATTN(8, 0, attn_grid_8)  // 256
+// the common (head_dim, group) pairs with the group fixed (cuda_kernels.GRID_FIXED_GROUPS):
+// Llama-3 8B / Mistral 7B (128, 4), Llama-3 70B (128, 8), SmolLM2 (64, 3)
+NTX_GRID_ATTN(4, 4, attn_grid_4_g4)
+NTX_GRID_ATTN(4, 8, attn_grid_4_g8)
+NTX_GRID_ATTN(2, 3, attn_grid_2_g3)

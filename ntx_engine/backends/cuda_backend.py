@@ -388,6 +388,9 @@ class CudaBackend:
         self.flush()
         self._check_room(start, n)
         self._stage_positions(positions)
+        if n == 1 and self.attn == "grid" and self._grid_shape() is not None:  # the grid kernel does rope_kv's work
+            rope = (k, v, self.rope_ff, c.rope_dim, self.rope_scale, c.rope_freq_scale, int(c.rope_type == ROPE_NEOX))
+            return self._attend(q, layer, rope)
         qr = self._new(*q.shape)
         self.k.rope_kv(q, k, v, qr, self.k_cache[layer], self.v_cache[layer], self.pos_buf, self.rope_ff, c.n_head,
                        c.n_head_kv, c.head_dim, c.rope_dim, self.rope_scale, c.rope_freq_scale,
@@ -398,8 +401,10 @@ class CudaBackend:
         if start + n > self.n_ctx:
             raise ValueError(f"context full: position {start + n} exceeds n_ctx {self.n_ctx}")
 
-    def _attend(self, q: DeviceArray, layer: int) -> DeviceArray:
-        """Causal GQA attention of q at the staged positions over layer's cache (already stored)."""
+    def _attend(self, q: DeviceArray, layer: int, rope: tuple | None = None) -> DeviceArray:
+        """Causal GQA attention of q at the staged positions over layer's cache (already stored).
+        rope: Kernels.attention_grid's, for one token whose q, k, v are not yet rotated and stored
+        (only where the grid kernel runs)."""
         c, n = self._model(), q.shape[0]
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         out = self._new(n, c.q_dim)
@@ -410,7 +415,7 @@ class CudaBackend:
             scratch = (self._new(c.n_head, nb), self._new(c.n_head, nb, dtype=np.float64),
                        self._new(c.n_head, nb, c.head_dim), self._grid_counters)
             self.k.attention_grid(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, grid, scale,
-                                  scratch, self.stream, self._attn_quant(out))
+                                  scratch, self.stream, self._attn_quant(out), rope)
             self._last_attn = out
             return out
         if self.attn != "single" and n == 1 and gqa_split_ok(c.n_head, c.n_head_kv, c.head_dim):

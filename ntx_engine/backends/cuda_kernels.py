@@ -34,7 +34,10 @@ ATTN_GQA_V = (2, 3, 4, 8)  # head_dim / 32 of the attn_gqa_* kernels
 ATTN_GMAX, ATTN_QMAX = 16, 4096  # query heads per KV head, and their values, the kernels hold
 # attn_grid.cu: blocks a KV head at most (AG_NBMAX), positions a block at least (AG_MINR), its
 # static shared memory (q of the group and the statistics)
-GRID_NBMAX, GRID_MINR, GRID_STATIC_SMEM = 32, 16, 17 * 1024
+GRID_NBMAX, GRID_MINR, GRID_STATIC_SMEM = 32, 16, 18 * 1024
+# (head_dim / 32, query heads a KV head) with a grid attention kernel of that fixed group size,
+# attn_grid_<V>_g<G> (fixed loop counts, a third of the generic kernel's code); others take attn_grid_<V>
+GRID_FIXED_GROUPS = ((4, 4), (4, 8), (2, 3))
 # "fast" (default): matvec_fast.cu's dp4a kernels for FAST_TYPES, "staged" for the others;
 # "staged": blocks copied to shared memory with wide loads, float decode; "direct": byte loads
 MATVEC_VARIANTS = {"fast": "matvec", "staged": "matvec", "direct": "matvecd"}
@@ -66,19 +69,34 @@ def gqa_split_ok(n_head: int, n_kv: int, head_dim: int) -> bool:
 
 
 def grid_attn_shape(n_head: int, n_kv: int, head_dim: int, n_ctx: int, sm_count: int,
-                    smem_optin: int, per_sm: int = 1) -> tuple[int, int] | None:
-    """(blocks a KV head, positions a block at most) of the one-launch decode attention
-    (attn_grid.cu), or None when it cannot run. Its blocks wait for each other inside the kernel,
-    so the whole grid must be resident at once: at most per_sm blocks an SM (what the occupancy
-    calculator allows them, Kernels.grid_per_sm); the scores of a block's positions must fit its
-    shared memory (else the two split kernels take the layout)."""
+                    smem_optin: int, per_sm: int = 1, minr: int | None = None) -> tuple[int, int, int] | None:
+    """(blocks a KV head, positions a block at most, positions a block at least) of the one-launch
+    decode attention (attn_grid.cu), or None when it cannot run. Its blocks wait for each other
+    inside the kernel, so the whole grid must be resident at once: at most per_sm blocks an SM
+    (what the occupancy calculator allows them, Kernels.grid_per_sm); the scores of a block's
+    positions must fit its shared memory (else the two split kernels take the layout). A token
+    at position T uses max(ceil(T / nb), minr) positions a block (minr: GRID_MINR)."""
+    minr = GRID_MINR if minr is None else minr
     if not gqa_split_ok(n_head, n_kv, head_dim) or n_kv > sm_count * per_sm:
         return None
     nb = min(GRID_NBMAX, sm_count * per_sm // n_kv)
-    rmax = max(_cdiv(n_ctx, nb), GRID_MINR)
+    rmax = max(_cdiv(n_ctx, nb), minr)
     if GRID_STATIC_SMEM + 4 * (n_head // n_kv) * rmax > smem_optin:
         return None
-    return nb, rmax
+    return nb, rmax, minr
+
+
+def grid_attn_kernel(n_head: int, n_kv: int, head_dim: int) -> str:
+    """The grid attention kernel for this head layout: the one with the group size fixed where
+    GRID_FIXED_GROUPS has it (NTX_CUDA_GRID_FIXED=0: always the generic one)."""
+    text = os.environ.get("NTX_CUDA_GRID_FIXED", "1")
+    if text not in ("0", "1"):
+        from ntx_common.errors import UsageError
+
+        raise UsageError(f"NTX_CUDA_GRID_FIXED must be 0 or 1, not {text!r}")
+    v, g = head_dim // 32, n_head // n_kv
+    fixed = (v, g) in GRID_FIXED_GROUPS and text == "1"
+    return f"attn_grid_{v}_g{g}" if fixed else f"attn_grid_{v}"
 
 
 def fast_matvec_ok(t: GGMLType, ptr: int, k: int) -> bool:
@@ -304,7 +322,7 @@ class Kernels:
         shape = grid_attn_shape(n_head, n_kv, head_dim, n_ctx, self.device.sm_count, self.device.max_smem_optin, 2)
         if cap == 1 or shape is None:
             return 1
-        name, smem = f"attn_grid_{head_dim // 32}", 4 * (n_head // n_kv) * shape[1]
+        name, smem = grid_attn_kernel(n_head, n_kv, head_dim), 4 * (n_head // n_kv) * shape[1]
         self._allow_smem("attn_grid.cu", name, smem, GRID_STATIC_SMEM)
         fits = check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(self.fn("attn_grid.cu", name),
                                                                           ATTN_SPLIT_THREADS, smem),
@@ -312,19 +330,22 @@ class Kernels:
         return 2 if int(fits) >= 2 else 1
 
     def attention_grid(self, q, kc, vc, out, pos, n_head, n_kv, head_dim, shape, scale, scratch, stream,
-                       quant=None) -> None:
+                       quant=None, rope=None) -> None:
         """Decode attention of one token in one launch (attn_grid.cu), grid (nb, n_kv) for
-        shape = (nb, rmax) from grid_attn_shape. scratch = (cmax (n_head, nb) float32, psum
+        shape = (nb, rmax, minr) from grid_attn_shape. scratch = (cmax (n_head, nb) float32, psum
         (n_head, nb) float64, part (n_head, nb, head_dim) float32, 2 * n_kv uint32 counters that
-        start at zero (the kernel leaves them so)); quant as attention_gqa's."""
-        nb, rmax = shape
+        start at zero (the kernel leaves them so)); quant as attention_gqa's. rope = (k, v, ff,
+        rope_dim, scale, freq_scale, neox): q, k, v are the token's rows before RoPE, and the kernel
+        also does rope_kv's work (the caches get the new position); None: q is rotated and stored."""
+        nb, rmax, minr = shape
         cmax, psum, part, counters = scratch
         xq, xd, xs, qmode = quant if quant is not None else (None, None, None, 0)
-        name, smem = f"attn_grid_{head_dim // 32}", 4 * (n_head // n_kv) * rmax
+        rk, rv, ff, rope_dim, rscale, freq_scale, neox = rope if rope is not None else (None, None, None, 0, 0.0, 0.0, 0)
+        name, smem = grid_attn_kernel(n_head, n_kv, head_dim), 4 * (n_head // n_kv) * rmax
         self._allow_smem("attn_grid.cu", name, smem, GRID_STATIC_SMEM)
         self._go("attn_grid.cu", name, (nb, n_kv), (ATTN_SPLIT_THREADS,),
-                 (q, kc, vc, out, pos, n_head, n_kv, nb, rmax, float(scale), cmax, psum, part, counters, xq, xd, xs,
-                  int(qmode)), stream, smem)
+                 (q, kc, vc, out, pos, n_head, n_kv, nb, rmax, minr, float(scale), cmax, psum, part, counters, xq, xd,
+                  xs, int(qmode), rk, rv, ff, int(rope_dim), float(rscale), float(freq_scale), int(neox)), stream, smem)
 
     def _allow_smem(self, source: str, name: str, smem: int, static: int = 0) -> None:
         """Opt the kernel in to `smem` bytes of dynamic shared memory next to its `static` bytes

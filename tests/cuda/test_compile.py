@@ -211,15 +211,16 @@ def test_grid_attention_shape():
     from ntx_engine.backends.cuda_kernels import GRID_NBMAX, GRID_STATIC_SMEM, grid_attn_shape
 
     h200 = dict(sm_count=132, smem_optin=227 * 1024)
-    assert grid_attn_shape(32, 8, 128, 1024, **h200) == (16, 64)  # Llama-3-8B: 128 blocks on 132 SMs
-    assert grid_attn_shape(32, 8, 128, 1024, **h200, per_sm=2) == (32, 32)  # two blocks an SM
-    assert grid_attn_shape(9, 3, 64, 8192, **h200) == (GRID_NBMAX, 256)  # few KV heads: at most 32 a head
-    assert grid_attn_shape(32, 8, 128, 40, **h200) == (16, 16)  # at least 16 positions a block
+    assert grid_attn_shape(32, 8, 128, 1024, **h200) == (16, 64, 16)  # Llama-3-8B: 128 blocks on 132 SMs
+    assert grid_attn_shape(32, 8, 128, 1024, **h200, per_sm=2) == (32, 32, 16)  # two blocks an SM
+    assert grid_attn_shape(9, 3, 64, 8192, **h200) == (GRID_NBMAX, 256, 16)  # few KV heads: at most 32 a head
+    assert grid_attn_shape(32, 8, 128, 40, **h200) == (16, 16, 16)  # at least 16 positions a block
+    assert grid_attn_shape(32, 8, 128, 40, **h200, minr=48) == (16, 48, 48)  # room for minr positions
     assert grid_attn_shape(64, 8, 128, 131072, **h200) is None  # 8 heads x 8192 scores: 256 KiB
     assert grid_attn_shape(32, 8, 80, 1024, **h200) is None  # not a split-kernel layout
     assert grid_attn_shape(32, 32, 128, 1024, sm_count=16, smem_optin=227 * 1024) is None  # more KV heads than SMs
     for n_head, n_kv, n_ctx in ((32, 8, 1024), (9, 3, 8192), (64, 8, 32768), (16, 2, 4096)):
-        nb, rmax = grid_attn_shape(n_head, n_kv, 128, n_ctx, **h200)
+        nb, rmax, _ = grid_attn_shape(n_head, n_kv, 128, n_ctx, **h200)
         assert nb * n_kv <= 132 and nb * rmax >= n_ctx
         assert GRID_STATIC_SMEM + 4 * (n_head // n_kv) * rmax <= 227 * 1024
 

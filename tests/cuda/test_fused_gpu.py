@@ -89,9 +89,12 @@ def _cfg(rope_type, rope_dim, head_dim, n_head, n_kv, freq_scale=1.0) -> ModelCo
 
 @pytest.mark.parametrize("rope_type,rope_dim,head_dim,n_head,n_kv,freqs", [
     ("norm", 64, 64, 8, 2, False), ("neox", 128, 128, 4, 4, False), ("neox", 48, 64, 9, 3, True),
-    ("norm", 32, 64, 6, 2, True)])
+    ("norm", 32, 64, 6, 2, True), ("norm", 96, 128, 32, 8, True), ("neox", 128, 128, 16, 2, False)])
 def test_rope_attention_equals_rope_rope_store_attention(cuda_backend, rope_type, rope_dim, head_dim, n_head, n_kv,
                                                          freqs):
+    """Prefill chunks take rope_kv; a decode step (n = 1) takes the grid attention with the RoPE
+    and the KV store inside it: both equal rope, rope, kv_store and attention bit for bit (the
+    caches too), across the generic and the fixed-group grid kernels."""
     cfg = _cfg(rope_type, rope_dim, head_dim, n_head, n_kv, 0.5 if freqs else 1.0)
     rng = np.random.default_rng(rope_dim + n_head)
     ff = rng.uniform(1, 8, rope_dim // 2).astype(np.float32) if freqs else None
@@ -105,8 +108,12 @@ def test_rope_attention_equals_rope_rope_store_attention(cuda_backend, rope_type
         v = rng.standard_normal((n, cfg.kv_dim)).astype(np.float32)
         pos = np.arange(start, start + n)
         for layer in (0, 1):
+            fused.k.profile = []
             got, want = [b.to_numpy(b.rope_attention(b.from_numpy(q), b.from_numpy(k), b.from_numpy(v), pos, layer,
                                                      start)) for b in (fused, plain)]
+            ran, fused.k.profile = [name for name, *_ in fused.k.profile], None
+            if n == 1:  # one launch: the grid kernel rotates and stores
+                assert any(x.startswith("attn_grid_") for x in ran) and "rope_kv" not in ran, ran
             assert np.array_equal(got, want), f"n={n} start={start} layer {layer}"
             assert _rel(got, npb.rope_attention(q, k, v, pos, layer, start)) < 1e-3
         start += n

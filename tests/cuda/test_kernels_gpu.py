@@ -153,16 +153,26 @@ def test_rope_matches_numpy(cuda_backend, rope_type, rope_dim, freq_scale, freqs
     _rel_err(out, cpu.rope(x, pos, cfg.n_head), f"rope {rope_type} dim {rope_dim} fs {freq_scale} ff {freqs}", 1e-5)
 
 
-@pytest.mark.parametrize("attn", ["grid", "grid-1-per-sm", "split", "single"])
+@pytest.mark.parametrize("attn", ["grid", "grid-1-per-sm", "grid-generic", "grid-minr48", "split", "single"])
 @pytest.mark.parametrize("head_dim,n_head,n_head_kv", [(64, 8, 2), (128, 4, 4), (64, 9, 3), (96, 6, 2), (256, 16, 2),
-                                                      (128, 32, 8), (80, 4, 2)])
+                                                      (128, 32, 8), (128, 16, 2), (80, 4, 2)])
 def test_attention_prefill_then_decode(cuda_backend, monkeypatch, head_dim, n_head, n_head_kv, attn):
     """Decode steps (n = 1) take the split kernels unless attn == "single" (or the layout is one
     they do not take: head_dim 80); chunks of 64 positions: decode at 7, 8 (one partial chunk) and
-    259 (five chunks, the last partial); GQA groups of 1 to 8 query heads, head_dim 64 to 256."""
+    259 (five chunks, the last partial); GQA groups of 1 to 8 query heads, head_dim 64 to 256.
+    "grid" takes the fixed-group kernels for (64, 3), (128, 4) and (128, 8); "grid-generic" the
+    generic one for every layout."""
     cfg = _cfg(head_dim=head_dim, n_head=n_head, n_head_kv=n_head_kv)
     if attn == "grid-1-per-sm":  # the grid kernel with half the blocks (one an SM)
         monkeypatch.setenv("NTX_CUDA_GRID_PER_SM", "1")
+        attn = "grid"
+    if attn == "grid-generic":
+        monkeypatch.setenv("NTX_CUDA_GRID_FIXED", "0")
+        attn = "grid"
+    if attn == "grid-minr48":  # at least 48 positions a block: other block boundaries, fewer blocks
+        from ntx_engine.backends import cuda_kernels
+
+        monkeypatch.setattr(cuda_kernels, "GRID_MINR", 48)
         attn = "grid"
     gpu, cpu = _pair(cfg, n_ctx=300, attn=attn)
     rng = np.random.default_rng(head_dim + n_head)
