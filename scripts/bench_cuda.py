@@ -165,7 +165,45 @@ def kernel_table(backend, l2_bytes: int = 160 << 20) -> list[dict]:
     return out
 
 
-def attention_table(backend, contexts=(576, 2048, 4096, 8192), l2_bytes: int = 160 << 20) -> list[dict]:
+def read_ceiling_table(backend, l2_bytes: int = 160 << 20) -> list[dict]:
+    """The streaming-read ceiling of the decode matrices' byte counts (native/cuda/read_ceiling.cu:
+    loads and an XOR, nothing else), each buffer rotated over copies that exceed the L2 cache and
+    launched back to back in a graph as a decode step launches its matvecs. Layouts: one warp a row
+    (the dp4a kernels' layout) with U 16-byte loads in flight a lane, and a flat grid of
+    sm_count x 8 blocks of 256 threads striding over the buffer."""
+    from ntx_engine.backends import cuda_nvrtc
+    from ntx_engine.backends.cuda_driver import DeviceArray, Module
+
+    b, k, out = backend, backend.k, []
+    if "read_ceiling.cu" not in k.modules:
+        k.modules["read_ceiling.cu"] = Module(cuda_nvrtc.cached_cubin("read_ceiling.cu", b.device.arch),
+                                              "read_ceiling.cu")
+    shapes = (("Q4_K 4096x4096 (q, o)", 4096, 2304), ("Q4_K 14336x4096 (gate)", 14336, 2304),
+              ("Q4_K 28672x4096 (gate+up)", 28672, 2304), ("Q6_K 4096x14336 (down)", 4096, 11760),
+              ("Q8_0 6144x4096 (qkv)", 6144, 4352), ("Q8_0 28672x4096 (gate+up)", 28672, 4352),
+              ("Q8_0 4096x14336 (down)", 4096, 15232), ("Q6_K 128256x4096 (output)", 128256, 3360))
+    flat_blocks = b.device.sm_count * 8
+    sink = DeviceArray(b.pool, (max(128256, flat_blocks * 8),), np.uint32)
+    for name, rows, row_bytes in shapes:
+        nbytes = rows * row_bytes
+        bufs = [DeviceArray(b.pool, (nbytes,), np.uint8) for _ in range(max(2, -(-l2_bytes // nbytes)))]
+        row = {"matrix": name, "mb": round(nbytes / 1e6, 1)}
+        for u in (1, 2, 4):
+            fns = [lambda w=w, u=u: k._go("read_ceiling.cu", f"read_rows_u{u}", (-(-rows // 4),), (128,),
+                                          (w, rows, row_bytes // 16, sink), b.stream) for w in bufs * 4]
+            us = graph_us(b, fns)
+            row[f"rows_u{u}_us"], row[f"rows_u{u}_tb_s"] = round(us, 2), round(nbytes / us / 1e6, 2)
+        fns = [lambda w=w: k._go("read_ceiling.cu", "read_flat_u4", (flat_blocks,), (256,),
+                                 (w, nbytes // 16, sink), b.stream) for w in bufs * 4]
+        us = graph_us(b, fns)
+        row["flat_u4_us"], row["flat_u4_tb_s"] = round(us, 2), round(nbytes / us / 1e6, 2)
+        out.append(row)
+        del bufs
+    return out
+
+
+def attention_table(backend, contexts=(576, 2048, 4096, 8192), l2_bytes: int = 160 << 20,
+                    minrs: tuple = (None,)) -> list[dict]:
     """GPU time of one decode attention at Llama-3-8B heads (32 query, 8 KV, head_dim 128) over
     T positions: the grid kernel against the two split kernels, each over enough KV caches that
     they exceed the L2 cache (as a layer's cache does in a real step). GB/s counts K and V bytes."""
@@ -188,12 +226,14 @@ def attention_table(backend, contexts=(576, 2048, 4096, 8192), l2_bytes: int = 1
         runs = [("attn_gqa (2 kernels)", lambda kc, vc: k.attention_gqa(q, kc, vc, o, pos, n_head, n_kv, hd, t, scale,
                                                                        split, b.stream))]
         for per_sm in (1, k.grid_per_sm(n_head, n_kv, hd, t)):
-            shape = grid_attn_shape(n_head, n_kv, hd, t, b.device.sm_count, b.device.max_smem_optin, per_sm)
-            nb = shape[0]
-            grid = (b._new(n_head, nb), b._new(n_head, nb, dtype=np.float64), b._new(n_head, nb, hd),
-                    upload(b.pool, np.zeros(2 * n_kv, np.uint32), b.stream))
-            runs.append((f"attn_grid {nb} blocks a KV head", lambda kc, vc, g=grid, sh=shape: k.attention_grid(
-                q, kc, vc, o, pos, n_head, n_kv, hd, sh, scale, g, b.stream)))
+            for minr in minrs:
+                shape = grid_attn_shape(n_head, n_kv, hd, t, b.device.sm_count, b.device.max_smem_optin, per_sm, minr)
+                nb = shape[0]
+                grid = (b._new(n_head, nb), b._new(n_head, nb, dtype=np.float64), b._new(n_head, nb, hd),
+                        upload(b.pool, np.zeros(2 * n_kv, np.uint32), b.stream))
+                runs.append((f"attn_grid {nb} blocks a KV head, {shape[2]} positions a block at least",
+                             lambda kc, vc, g=grid, sh=shape: k.attention_grid(q, kc, vc, o, pos, n_head, n_kv, hd, sh,
+                                                                               scale, g, b.stream)))
         for name, fn in runs:
             fns = [lambda kc=kc, vc=vc, fn=fn: fn(kc, vc) for kc, vc in caches * 2]
             us = graph_us(b, fns)
