@@ -25,6 +25,25 @@
 #ifndef NTX_G_Q8_0
 #define NTX_G_Q8_0 32
 #endif
+// Opt-in decode forms (decode_items below), to be measured against the default build: each is 0
+// (off) by default, and off the cubins are the same bytes as before the forms existed.
+//   NTX_UNROLL_UNITS  a lane's units of a group in a loop of compile-time trip count, every unit's
+//                     activation loads issued before the first unit's arithmetic; the same terms
+//                     in the same order (bit-identical results)
+//   NTX_Q4_PAIR       one lane decodes Q4_K units 2i and 2i + 1 (one read of their shared qs and
+//                     scale bytes); NTX_Q6_PAIR: Q6_K units s and s + 2 of a half (one read of
+//                     their shared ql and qh bytes). Each lane takes other units than before, so
+//                     the sums come in another order: not bit-identical, within the oracles' bounds
+// The fused kernels keep the default Q6_K decode in every form (NTX_Q6_ANY below: register bounds).
+#ifndef NTX_UNROLL_UNITS
+#define NTX_UNROLL_UNITS 0
+#endif
+#ifndef NTX_Q4_PAIR
+#define NTX_Q4_PAIR 0
+#endif
+#ifndef NTX_Q6_PAIR
+#define NTX_Q6_PAIR 0
+#endif
 
 // Eight 32-bit words from a 2-byte aligned shared-memory address: aligned word loads joined with
 // a funnel shift (the stage has 16 bytes of padding for the ninth word).
@@ -46,6 +65,13 @@ __device__ __forceinline__ void ldx(const int8_t* __restrict__ x, int* v) {
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
+// One unit's activations in one activation row (the opt-in decode forms, decode_items): the 32
+// int8 values as 8 words, their scale xd and sum xs.
+struct UnitX {
+    int x[8];
+    float d, s;
+};
+
 // Each F::unit returns one unit's dot product without the activation scale dx: the caller
 // multiplies by dx (and passes sx, the unit's int8 sum, for the block minimum of Q4_K).
 struct FastQ4_K {
@@ -64,6 +90,47 @@ struct FastQ4_K {
         const float d1 = NTX_MUL(ntx_ldh(b), (float)sc), m1 = NTX_MUL(ntx_ldh(b + 2), (float)mn);
         return d1 * (float)s - m1 * sx;
     }
+#if NTX_Q4_PAIR
+    // Units 2i and 2i + 1 are the low and high nibbles of the same 32 qs bytes and their scales
+    // come from the same 12 bytes: one lane reads those once for both (item i of the block).
+    static __device__ __forceinline__ int unit_of(int i, int k) { return 2 * i + k; }
+    static __device__ __forceinline__ void pair(const uint8_t* b, int i, const UnitX* a, float* r) {
+        const uint4 head = *reinterpret_cast<const uint4*>(b);  // d, dmin and the 12 scale bytes
+        int sc[2], mn[2];
+        k_scale_min_pair(head, i, sc, mn);
+        const uint4* q4 = reinterpret_cast<const uint4*>(b + 16 + 32 * i);
+        const uint4 qa = q4[0], qb = q4[1];
+        const uint32_t q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+        int s[2] = {0, 0};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            s[0] = __dp4a((int)(q[e] & 0x0F0F0F0Fu), a[0].x[e], s[0]);
+            s[1] = __dp4a((int)((q[e] >> 4) & 0x0F0F0F0Fu), a[1].x[e], s[1]);
+        }
+        const float d = ntx_h2f((uint16_t)head.x), dmin = ntx_h2f((uint16_t)(head.x >> 16));
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {  // unit()'s arithmetic, term for term
+            const float d1 = NTX_MUL(d, (float)sc[k]), m1 = NTX_MUL(dmin, (float)mn[k]);
+            r[k] = d1 * (float)s[k] - m1 * a[k].s;
+        }
+    }
+    // ntx_k_scale_min of units 2i and 2i + 1 at once: the 12 scale bytes are head's words y, z, w
+    // and the two units' bytes are adjacent in each, so both are decoded in the low 16 bits.
+    static __device__ __forceinline__ void k_scale_min_pair(const uint4& head, int i, int* sc, int* mn) {
+        const int sh = 16 * (i % 2);
+        const uint32_t lo = head.y >> sh, mid = head.z >> sh, hi = head.w >> sh;
+        uint32_t s2, m2;  // unit 2i's value in bits 0-7, unit 2i + 1's in bits 8-15
+        if (i < 2) {
+            s2 = lo & 0x3F3Fu;
+            m2 = mid & 0x3F3Fu;
+        } else {  // 4 low bits from the last word, the 2 high bits from the top of the first two
+            s2 = (hi & 0x0F0Fu) | ((lo >> 2) & 0x3030u);
+            m2 = ((hi >> 4) & 0x0F0Fu) | ((mid >> 2) & 0x3030u);
+        }
+        sc[0] = (int)(s2 & 0xFFu), sc[1] = (int)(s2 >> 8);
+        mn[0] = (int)(m2 & 0xFFu), mn[1] = (int)(m2 >> 8);
+    }
+#endif
 };
 
 struct FastQ6_K {
@@ -86,6 +153,36 @@ struct FastQ6_K {
         const int isum = (int)(int8_t)b[192 + 2 * j] * s0 + (int)(int8_t)b[193 + 2 * j] * s1;
         return ntx_ldh(b + 208) * (float)isum;
     }
+#if NTX_Q6_PAIR
+    // Units s and s + 2 of half h (item i: h = i / 2, s = i % 2) are the low and high nibbles of
+    // the same 32 ql bytes, and every unit of h takes its top two bits from the same 32 qh bytes:
+    // one lane reads each once for both units (unit() reads both for each).
+    static __device__ __forceinline__ int unit_of(int i, int k) { return 4 * (i / 2) + i % 2 + 2 * k; }
+    static __device__ __forceinline__ void pair(const uint8_t* b, int i, const UnitX* a, float* r) {
+        const int h = i / 2, s = i % 2;
+        uint32_t lo[8], hi[8];
+        ld8(b + h * 64 + s * 32, lo);
+        ld8(b + 128 + h * 32, hi);
+        int s0[2] = {0, 0}, s1[2] = {0, 0};  // per unit: the sums of its two 16-value scale halves
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {  // unit s + 2k: lshift 4k, hshift 2s + 4k
+                const uint32_t q6 = ((lo[e] >> (4 * k)) & 0x0F0F0F0Fu) | (((hi[e] >> (2 * s + 4 * k)) & 0x03030303u) << 4);
+                const int q = (int)__vsub4(q6, 0x20202020u);
+                if (e < 4) s0[k] = __dp4a(q, a[k].x[e], s0[k]);
+                else s1[k] = __dp4a(q, a[k].x[e], s1[k]);
+            }
+        }
+        const float d = ntx_ldh(b + 208);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int j = unit_of(i, k);
+            const int isum = (int)(int8_t)b[192 + 2 * j] * s0[k] + (int)(int8_t)b[193 + 2 * j] * s1[k];
+            r[k] = d * (float)isum;
+        }
+    }
+#endif
 };
 
 struct FastQ8_0 {
@@ -100,6 +197,34 @@ struct FastQ8_0 {
         return ntx_ldh(b) * (float)s;
     }
 };
+
+// Units a lane decodes at once (an item, decode_items): 2 for the paired decoders, else 1; and
+// whether decode_group takes the opt-in form (decode_items) at all. (Functions, not static
+// members: under -default-device each member would be a symbol of every cubin, default build too.)
+template <class F>
+constexpr int fast_per() { return 1; }
+template <class F>
+constexpr bool fast_items() { return NTX_UNROLL_UNITS || fast_per<F>() > 1; }
+#if NTX_Q4_PAIR
+template <>
+constexpr int fast_per<FastQ4_K>() { return 2; }
+#endif
+#if NTX_Q6_PAIR
+template <>
+constexpr int fast_per<FastQ6_K>() { return 2; }
+#endif
+// The fused kernels (fast_row_any, fast_row_pair_any: every type's decode under one register
+// bound) keep the default Q6_K decode: its unrolled and paired forms hold ~10 more registers
+// (two units' activations with 18 ql/qh words) than the multi (64) and swiglu (80) bounds
+// leave, and spilled there; matvecf_q6_k_n1 (the Q6_K down projection) takes them.
+#if NTX_UNROLL_UNITS || NTX_Q6_PAIR
+struct FastQ6_KFused : FastQ6_K {};
+template <>
+constexpr bool fast_items<FastQ6_KFused>() { return false; }
+#define NTX_Q6_ANY FastQ6_KFused
+#else
+#define NTX_Q6_ANY FastQ6_K
+#endif
 
 template <class F>
 struct FastGroup {
@@ -128,12 +253,120 @@ __device__ __forceinline__ void stage_group(uint8_t* st, const uint4* r, int nby
     }
 }
 
+// --- the opt-in decode forms (NTX_UNROLL_UNITS, NTX_Q4_PAIR, NTX_Q6_PAIR) ---------------------
+// An item is what one lane decodes at once: PER units of one block (the paired decoders), else
+// one unit. LANE: at most how many items a lane takes in a group, a compile-time count, so the
+// loops over them unroll.
+template <class F>
+struct FastItems {
+    static const int PER = fast_per<F>(), PER_BLOCK = F::B::UNITS / PER;
+    static const int LANE = (F::G * PER_BLOCK + 31) / 32;
+    static_assert(F::B::UNITS % PER == 0, "an item is whole units of one block");
+    // the block's unit number of unit e of item i
+    static __device__ __forceinline__ int unit(int i, int e) {
+        if constexpr (PER == 1) return i;
+        else return F::unit_of(i, e);
+    }
+    // r[e]: unit e's dot product (F::unit's value)
+    static __device__ __forceinline__ void decode(const uint8_t* b, int i, const UnitX* a, float* r) {
+        if constexpr (PER == 1) r[0] = F::unit(b, i, a[0].x, a[0].s);
+        else F::pair(b, i, a, r);
+    }
+};
+
+// The activations of item `it` of the group (blocks g0..) in one activation row (xq, xd, xs at
+// that row): x, scale d and sum s of each of its units.
+template <class F>
+__device__ __forceinline__ void load_item(int g0, int it, const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                                          const float* __restrict__ xs, UnitX* a) {
+    typedef FastItems<F> It;
+#pragma unroll
+    for (int e = 0; e < It::PER; ++e) {
+        const int col32 = (g0 + it / It::PER_BLOCK) * (F::B::QK / 32) + It::unit(it % It::PER_BLOCK, e);
+        ldx(xq + 32 * (size_t)col32, a[e].x);
+        a[e].d = __ldg(xd + col32);
+        a[e].s = __ldg(xs + col32);
+    }
+}
+
+// decode_group in items (lane, lane + 32, ... below `items`). With one activation row (decode)
+// every item's activation loads are issued before any arithmetic: they are L1 hits, but the
+// not-unrolled loop of decode_group waits on each unit's loads before its arithmetic (the
+// long-scoreboard stalls of the Q4_K kernels). With more rows each item loads a row's
+// activations just before its arithmetic, as decode_group does (all of them at once would hold
+// N x 8 words an item: ~250 registers a thread for N = 8). Each unit's term (d times its dot
+// product) is added to acc as in decode_group and a lane's units come in increasing order, so
+// with one unit an item (NTX_UNROLL_UNITS alone) every lane adds the same terms in the same
+// order: the same bits.
+template <class F, int N>
+__device__ __forceinline__ void decode_items(const uint8_t* sg, int g0, int nb, const int8_t* __restrict__ xq,
+                                             const float* __restrict__ xd, const float* __restrict__ xs, int k,
+                                             int k32, int n, int lane, float* acc) {
+    typedef FastItems<F> It;
+    const int items = min(F::G, nb - g0) * It::PER_BLOCK;
+    UnitX a[It::LANE][N][It::PER];
+    if constexpr (N == 1) {
+#pragma unroll
+        for (int i = 0; i < It::LANE; ++i)
+            if (lane + 32 * i < items) load_item<F>(g0, lane + 32 * i, xq, xd, xs, a[i][0]);
+    }
+#pragma unroll
+    for (int i = 0; i < It::LANE; ++i) {
+        const int it = lane + 32 * i;
+#pragma unroll
+        for (int t = 0; t < N; ++t) {
+            if (it < items && t < n) {
+                if constexpr (N > 1)
+                    load_item<F>(g0, it, xq + (size_t)t * k, xd + (size_t)t * k32, xs + (size_t)t * k32, a[i][t]);
+                float r[It::PER];
+                It::decode(sg + it / It::PER_BLOCK * F::B::BYTES, it % It::PER_BLOCK, a[i][t], r);
+#pragma unroll
+                for (int e = 0; e < It::PER; ++e) acc[t] += a[i][t][e].d * r[e];
+            }
+        }
+    }
+}
+
+// decode_group2 in items: decode_items for rows A and B on one set of activation loads.
+template <class F>
+__device__ __forceinline__ void decode_items2(const uint8_t* sa, const uint8_t* sb, int g0, int nb,
+                                              const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                                              const float* __restrict__ xs, int lane, float* a, float* b) {
+    typedef FastItems<F> It;
+    const int items = min(F::G, nb - g0) * It::PER_BLOCK;
+    UnitX x[It::LANE][It::PER];
+#pragma unroll
+    for (int i = 0; i < It::LANE; ++i)
+        if (lane + 32 * i < items) load_item<F>(g0, lane + 32 * i, xq, xd, xs, x[i]);
+#pragma unroll
+    for (int i = 0; i < It::LANE; ++i) {
+        const int it = lane + 32 * i;
+        if (it < items) {
+            const int off = it / It::PER_BLOCK * F::B::BYTES;
+            float ra[It::PER], rb[It::PER];
+            It::decode(sa + off, it % It::PER_BLOCK, x[i], ra);
+            It::decode(sb + off, it % It::PER_BLOCK, x[i], rb);
+#pragma unroll
+            for (int e = 0; e < It::PER; ++e) {
+                *a += x[i][e].d * ra[e];
+                *b += x[i][e].d * rb[e];
+            }
+        }
+    }
+}
+
 // The units of one group (blocks g0.. of the row, staged at sg) against the n activation rows:
 // lane u takes units u, u + 32, ... (k32 = k / 32 comes from the caller).
 template <class F, int N>
 __device__ __forceinline__ void decode_group(const uint8_t* sg, int g0, int nb, const int8_t* __restrict__ xq,
                                              const float* __restrict__ xd, const float* __restrict__ xs,
                                              int k, int k32, int n, int lane, float* acc) {
+#if NTX_UNROLL_UNITS || NTX_Q4_PAIR || NTX_Q6_PAIR
+    if constexpr (fast_items<F>()) {
+        decode_items<F, N>(sg, g0, nb, xq, xd, xs, k, k32, n, lane, acc);
+        return;
+    }
+#endif
     const int units = min(F::G, nb - g0) * F::B::UNITS;
     for (int u = lane; u < units; u += 32) {
         const int bl = u / F::B::UNITS, j = u % F::B::UNITS;
@@ -230,6 +463,12 @@ template <class F>
 __device__ __forceinline__ void decode_group2(const uint8_t* sa, const uint8_t* sb, int g0, int nb,
                                               const int8_t* __restrict__ xq, const float* __restrict__ xd,
                                               const float* __restrict__ xs, int lane, float* a, float* b) {
+#if NTX_UNROLL_UNITS || NTX_Q4_PAIR || NTX_Q6_PAIR
+    if constexpr (fast_items<F>()) {
+        decode_items2<F>(sa, sb, g0, nb, xq, xd, xs, lane, a, b);
+        return;
+    }
+#endif
     const int units = min(F::G, nb - g0) * F::B::UNITS;
     for (int u = lane; u < units; u += 32) {
         const int bl = u / F::B::UNITS, j = u % F::B::UNITS;
@@ -305,7 +544,7 @@ __device__ __forceinline__ void fast_row_pair_any(int type, const uint8_t* Wa, c
                                                   const int8_t* xq, const float* xd, const float* xs, uint8_t* st,
                                                   int k, float* a, float* b, const uint4* pre) {
     if (type == NTX_FT_Q4_K) fast_row_pair<FastQ4_K>(Wa, Wb, row, xq, xd, xs, st, k, a, b, pre);
-    else if (type == NTX_FT_Q6_K) fast_row_pair<FastQ6_K>(Wa, Wb, row, xq, xd, xs, st, k, a, b, pre);
+    else if (type == NTX_FT_Q6_K) fast_row_pair<NTX_Q6_ANY>(Wa, Wb, row, xq, xd, xs, st, k, a, b, pre);
     else fast_row_pair<FastQ8_0>(Wa, Wb, row, xq, xd, xs, st, k, a, b, pre);
 }
 
@@ -315,7 +554,7 @@ __device__ __forceinline__ void fast_row_any(int type, const uint8_t* W, int row
                                              const float* xs, uint8_t* st, int k, int n, float* acc,
                                              const uint4* pre = nullptr) {
     if (type == NTX_FT_Q4_K) fast_row<FastQ4_K, N, PRE>(W, row, xq, xd, xs, st, k, n, acc, pre);
-    else if (type == NTX_FT_Q6_K) fast_row<FastQ6_K, N, PRE>(W, row, xq, xd, xs, st, k, n, acc, pre);
+    else if (type == NTX_FT_Q6_K) fast_row<NTX_Q6_ANY, N, PRE>(W, row, xq, xd, xs, st, k, n, acc, pre);
     else fast_row<FastQ8_0, N, PRE>(W, row, xq, xd, xs, st, k, n, acc, pre);
 }
 

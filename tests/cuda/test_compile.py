@@ -266,3 +266,41 @@ def test_grid_blocks_per_sm_setting_is_checked(monkeypatch, value):
     monkeypatch.setenv("NTX_CUDA_GRID_PER_SM", value)
     with pytest.raises(UsageError, match="NTX_CUDA_GRID_PER_SM must be 1 or 2"):
         Kernels.grid_per_sm(SimpleNamespace(), 32, 8, 128, 1024)
+
+
+# the opt-in dp4a decode forms of matvec_fast.cuh (unrolled units, paired Q4_K / Q6_K units)
+DECODE_VARIANTS = ("-DNTX_UNROLL_UNITS=1", "-DNTX_Q4_PAIR=1", "-DNTX_Q6_PAIR=1")
+
+
+def _n1_spills(source: str, arch: str) -> dict[str, int]:
+    """Spill-store bytes of each _n1 kernel of `source` from ptxas -v, with the current defines."""
+    import re
+
+    _, log = cuda_nvrtc.compile_cubin(source, arch)
+    assert "warning" not in log.lower(), log
+    found = re.findall(r"Function properties for (\w+_n1)\n.*?(\d+) bytes spill stores", log)
+    assert found, f"no ptxas report for the _n1 kernels of {source} ({arch})"
+    return {kernel: int(spill) for kernel, spill in found}
+
+
+@pytest.mark.parametrize("defines", DECODE_VARIANTS)
+def test_decode_variants_compile_clean_without_spills(monkeypatch, defines):
+    """Each opt-in decode form builds warning-free for sm_80 and sm_90, and its one-token kernels
+    keep everything in registers under the default launch bounds: no spill on sm_90 (as
+    test_decode_matvecs_do_not_spill) and none beyond the default build's on sm_80 (whose paired
+    gate/up kernel spills 8 bytes in the default build too). The build is not the default one.
+    Results: tests/cuda/test_decode_variants_gpu.py."""
+    monkeypatch.setattr(cuda_nvrtc, "OPTIONS", cuda_nvrtc.OPTIONS + ("--ptxas-options=-v",))
+    for source in ("matvec_fast.cu", "fused.cu"):
+        for arch in ("sm_80", "sm_90"):
+            monkeypatch.setenv("NTX_CUDA_DEFINES", "")
+            default = _n1_spills(source, arch)
+            monkeypatch.setenv("NTX_CUDA_DEFINES", defines)
+            spills = _n1_spills(source, arch)
+            assert spills.keys() == default.keys()
+            allowed = {k: 0 if arch == "sm_90" else v for k, v in default.items()}
+            assert all(spills[k] <= allowed[k] for k in spills), f"{defines} {source} {arch}: {spills}"
+    monkeypatch.setenv("NTX_CUDA_DEFINES", "")
+    default_cubin, _ = cuda_nvrtc.compile_cubin("matvec_fast.cu", "sm_90")
+    monkeypatch.setenv("NTX_CUDA_DEFINES", defines)
+    assert cuda_nvrtc.compile_cubin("matvec_fast.cu", "sm_90")[0] != default_cubin, f"{defines} changed nothing"
