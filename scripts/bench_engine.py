@@ -6,14 +6,14 @@ JSON out and a short table last (the form the lent-GPU runs record in docs/bench
     python scripts/bench_engine.py --synthetic llama3-8b:q4_k_m llama3-8b:q8_0 \\
         --variant fast/split/pdl fast/split staged/single --json out.json
 
-A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/noprewait][/nopair][/unroll][/q6pair][/q4pair]: MATVEC
+A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/noprewait][/nopair][/noq6pair]: MATVEC
 fast|staged|direct, ATTN grid|split|single, pdl = Hopper programmatic dependent launch, fuse = the fused kernels
 (all, or the named ones of cuda_backend.FUSIONS: qkv, ffn, rope, norm, attn; without it, none), mmq = prefill matmuls
 on the int8 tensor cores (mmq.cu), gemm / nogemm = prefill matmuls as fp16 cuBLAS GEMMs (dequant.cu) or not
 (neither: the backend's default, NTX_CUDA_GEMM), noprewait = the dp4a kernels load no weight before the PDL wait
 (-DNTX_PRE_WAIT=0, matvec_fast.cuh), nopair = the decode gate/up kernel streams its two rows one after the other
-(-DNTX_SWIGLU_PAIR=0, fused.cu), unroll / q6pair / q4pair = the opt-in dp4a decode forms (-DNTX_UNROLL_UNITS=1,
--DNTX_Q6_PAIR=1, -DNTX_Q4_PAIR=1, matvec_fast.cuh). --prefill-chunk: tokens per prefill pass. Each (model, variant) is
+(-DNTX_SWIGLU_PAIR=0, fused.cu), noq6pair = the Q6_K dp4a decode one unit a lane (-DNTX_Q6_PAIR=0,
+matvec_fast.cuh). --prefill-chunk: tokens per prefill pass. Each (model, variant) is
 bench_cuda.run (its docstring says how bytes per token and the bound are counted).
 --kernels adds bench_cuda.kernel_table: each decode kernel's own GPU time at 8B shapes.
 """
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-# variant flags that switch an opt-in build on (the macro, set to 1)
-OPT_IN_MACROS = {"unroll": "-DNTX_UNROLL_UNITS=", "q6pair": "-DNTX_Q6_PAIR=", "q4pair": "-DNTX_Q4_PAIR="}
+# variant flags that switch a default of the dp4a kernels off (the macro, set to 0)
+OFF_MACROS = {"noprewait": "-DNTX_PRE_WAIT=", "nopair": "-DNTX_SWIGLU_PAIR=", "noq6pair": "-DNTX_Q6_PAIR="}
 
 
 def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None, tuple[str, ...]]:
@@ -41,16 +41,15 @@ def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None, tup
     flags.discard(fuse)
     fuse = "all" if fuse == "fuse" else fuse.removeprefix("fuse=").replace("+", ",")
     if len(parts) < 2 or parts[0] not in ("fast", "staged", "direct") or parts[1] not in ("grid", "split", "single") \
-            or not flags <= {"pdl", "mmq", "gemm", "nogemm", "noprewait", "nopair", *OPT_IN_MACROS}:
+            or not flags <= {"pdl", "mmq", "gemm", "nogemm", *OFF_MACROS}:
         raise argparse.ArgumentTypeError(f"variant {text!r}: expected MATVEC/ATTN[/pdl][/fuse[=A+B]][/mmq][/gemm|/nogemm]"
-                                         "[/noprewait][/nopair][/unroll][/q6pair][/q4pair], e.g. fast/grid/pdl/fuse")
+                                         "[/noprewait][/nopair][/noq6pair], e.g. fast/grid/pdl/fuse")
     gemm = "1" if "gemm" in flags else "0" if "nogemm" in flags else None
-    defines = (("-DNTX_PRE_WAIT=0",) if "noprewait" in flags else ()) + (("-DNTX_SWIGLU_PAIR=0",) if "nopair" in flags else ())
-    defines += tuple(f"{m}1" for f, m in OPT_IN_MACROS.items() if f in flags)
+    defines = tuple(f"{m}0" for f, m in OFF_MACROS.items() if f in flags)
     return parts[0], parts[1], "pdl" in flags, fuse, "mmq" in flags, gemm, defines
 
 
-VARIANT_MACROS = ("-DNTX_PRE_WAIT=", "-DNTX_SWIGLU_PAIR=", *OPT_IN_MACROS.values())
+VARIANT_MACROS = tuple(OFF_MACROS.values())
 
 
 def variant_defines(defines: tuple[str, ...]) -> str:

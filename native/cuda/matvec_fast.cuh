@@ -25,24 +25,15 @@
 #ifndef NTX_G_Q8_0
 #define NTX_G_Q8_0 32
 #endif
-// Opt-in decode forms (decode_items below), to be measured against the default build: each is 0
-// (off) by default, and off the cubins are the same bytes as before the forms existed.
-//   NTX_UNROLL_UNITS  a lane's units of a group in a loop of compile-time trip count, every unit's
-//                     activation loads issued before the first unit's arithmetic; the same terms
-//                     in the same order (bit-identical results)
-//   NTX_Q4_PAIR       one lane decodes Q4_K units 2i and 2i + 1 (one read of their shared qs and
-//                     scale bytes); NTX_Q6_PAIR: Q6_K units s and s + 2 of a half (one read of
-//                     their shared ql and qh bytes). Each lane takes other units than before, so
-//                     the sums come in another order: not bit-identical, within the oracles' bounds
-// The fused kernels keep the default Q6_K decode in every form (NTX_Q6_ANY below: register bounds).
-#ifndef NTX_UNROLL_UNITS
-#define NTX_UNROLL_UNITS 0
-#endif
-#ifndef NTX_Q4_PAIR
-#define NTX_Q4_PAIR 0
-#endif
+// NTX_Q6_PAIR (default 1; 0: one unit a lane): one lane decodes Q6_K units s and s + 2 of a
+// 128-value half, which share their ql bytes (low and high nibbles) and, with the half's other
+// units, their qh bytes: one read of each for both, and every activation load of the lane's
+// units issued before their arithmetic (decode_items). H200, 4096x14336 alone: 18.8 -> 16.9 us;
+// 8B Q4_K_M decode +4.0 % (session 7, call 4). Each lane takes other units than with 0, so the
+// sums come in another order (within the oracles' bounds, not bit-identical to 0). The fused
+// kernels keep the unit decode (NTX_Q6_ANY below: it spilled under their register bounds).
 #ifndef NTX_Q6_PAIR
-#define NTX_Q6_PAIR 0
+#define NTX_Q6_PAIR 1
 #endif
 
 // Eight 32-bit words from a 2-byte aligned shared-memory address: aligned word loads joined with
@@ -65,8 +56,8 @@ __device__ __forceinline__ void ldx(const int8_t* __restrict__ x, int* v) {
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
-// One unit's activations in one activation row (the opt-in decode forms, decode_items): the 32
-// int8 values as 8 words, their scale xd and sum xs.
+// One unit's activations in one activation row (decode_items): the 32 int8 values as 8 words,
+// their scale xd and sum xs.
 struct UnitX {
     int x[8];
     float d, s;
@@ -90,47 +81,6 @@ struct FastQ4_K {
         const float d1 = NTX_MUL(ntx_ldh(b), (float)sc), m1 = NTX_MUL(ntx_ldh(b + 2), (float)mn);
         return d1 * (float)s - m1 * sx;
     }
-#if NTX_Q4_PAIR
-    // Units 2i and 2i + 1 are the low and high nibbles of the same 32 qs bytes and their scales
-    // come from the same 12 bytes: one lane reads those once for both (item i of the block).
-    static __device__ __forceinline__ int unit_of(int i, int k) { return 2 * i + k; }
-    static __device__ __forceinline__ void pair(const uint8_t* b, int i, const UnitX* a, float* r) {
-        const uint4 head = *reinterpret_cast<const uint4*>(b);  // d, dmin and the 12 scale bytes
-        int sc[2], mn[2];
-        k_scale_min_pair(head, i, sc, mn);
-        const uint4* q4 = reinterpret_cast<const uint4*>(b + 16 + 32 * i);
-        const uint4 qa = q4[0], qb = q4[1];
-        const uint32_t q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-        int s[2] = {0, 0};
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            s[0] = __dp4a((int)(q[e] & 0x0F0F0F0Fu), a[0].x[e], s[0]);
-            s[1] = __dp4a((int)((q[e] >> 4) & 0x0F0F0F0Fu), a[1].x[e], s[1]);
-        }
-        const float d = ntx_h2f((uint16_t)head.x), dmin = ntx_h2f((uint16_t)(head.x >> 16));
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {  // unit()'s arithmetic, term for term
-            const float d1 = NTX_MUL(d, (float)sc[k]), m1 = NTX_MUL(dmin, (float)mn[k]);
-            r[k] = d1 * (float)s[k] - m1 * a[k].s;
-        }
-    }
-    // ntx_k_scale_min of units 2i and 2i + 1 at once: the 12 scale bytes are head's words y, z, w
-    // and the two units' bytes are adjacent in each, so both are decoded in the low 16 bits.
-    static __device__ __forceinline__ void k_scale_min_pair(const uint4& head, int i, int* sc, int* mn) {
-        const int sh = 16 * (i % 2);
-        const uint32_t lo = head.y >> sh, mid = head.z >> sh, hi = head.w >> sh;
-        uint32_t s2, m2;  // unit 2i's value in bits 0-7, unit 2i + 1's in bits 8-15
-        if (i < 2) {
-            s2 = lo & 0x3F3Fu;
-            m2 = mid & 0x3F3Fu;
-        } else {  // 4 low bits from the last word, the 2 high bits from the top of the first two
-            s2 = (hi & 0x0F0Fu) | ((lo >> 2) & 0x3030u);
-            m2 = ((hi >> 4) & 0x0F0Fu) | ((mid >> 2) & 0x3030u);
-        }
-        sc[0] = (int)(s2 & 0xFFu), sc[1] = (int)(s2 >> 8);
-        mn[0] = (int)(m2 & 0xFFu), mn[1] = (int)(m2 >> 8);
-    }
-#endif
 };
 
 struct FastQ6_K {
@@ -198,29 +148,22 @@ struct FastQ8_0 {
     }
 };
 
-// Units a lane decodes at once (an item, decode_items): 2 for the paired decoders, else 1; and
-// whether decode_group takes the opt-in form (decode_items) at all. (Functions, not static
-// members: under -default-device each member would be a symbol of every cubin, default build too.)
+// Units a lane decodes at once (an item, decode_items): 2 for the paired Q6_K decode, else 1.
+// (Functions, not static members: under -default-device each member would be a symbol of every cubin.)
 template <class F>
 constexpr int fast_per() { return 1; }
-template <class F>
-constexpr bool fast_items() { return NTX_UNROLL_UNITS || fast_per<F>() > 1; }
-#if NTX_Q4_PAIR
-template <>
-constexpr int fast_per<FastQ4_K>() { return 2; }
-#endif
 #if NTX_Q6_PAIR
 template <>
 constexpr int fast_per<FastQ6_K>() { return 2; }
 #endif
 // The fused kernels (fast_row_any, fast_row_pair_any: every type's decode under one register
-// bound) keep the default Q6_K decode: its unrolled and paired forms hold ~10 more registers
-// (two units' activations with 18 ql/qh words) than the multi (64) and swiglu (80) bounds
-// leave, and spilled there; matvecf_q6_k_n1 (the Q6_K down projection) takes them.
-#if NTX_UNROLL_UNITS || NTX_Q6_PAIR
+// bound) keep the unit Q6_K decode: the paired one holds ~10 more registers (two units'
+// activations with 18 ql/qh words) than the multi (64) and swiglu (80) bounds leave, and
+// spilled there; matvecf_q6_k_n1 (the Q6_K down projection and output) takes it.
+#if NTX_Q6_PAIR
 struct FastQ6_KFused : FastQ6_K {};
 template <>
-constexpr bool fast_items<FastQ6_KFused>() { return false; }
+constexpr int fast_per<FastQ6_KFused>() { return 1; }
 #define NTX_Q6_ANY FastQ6_KFused
 #else
 #define NTX_Q6_ANY FastQ6_K
@@ -253,24 +196,19 @@ __device__ __forceinline__ void stage_group(uint8_t* st, const uint4* r, int nby
     }
 }
 
-// --- the opt-in decode forms (NTX_UNROLL_UNITS, NTX_Q4_PAIR, NTX_Q6_PAIR) ---------------------
-// An item is what one lane decodes at once: PER units of one block (the paired decoders), else
-// one unit. LANE: at most how many items a lane takes in a group, a compile-time count, so the
-// loops over them unroll.
+// --- the paired decode (NTX_Q6_PAIR) ----------------------------------------------------------
+// An item is what one lane decodes at once: PER units of one block. LANE: at most how many items
+// a lane takes in a group, a compile-time count, so the loops over them unroll.
 template <class F>
 struct FastItems {
     static const int PER = fast_per<F>(), PER_BLOCK = F::B::UNITS / PER;
     static const int LANE = (F::G * PER_BLOCK + 31) / 32;
-    static_assert(F::B::UNITS % PER == 0, "an item is whole units of one block");
+    static_assert(PER > 1 && F::B::UNITS % PER == 0, "an item is several whole units of one block");
     // the block's unit number of unit e of item i
-    static __device__ __forceinline__ int unit(int i, int e) {
-        if constexpr (PER == 1) return i;
-        else return F::unit_of(i, e);
-    }
+    static __device__ __forceinline__ int unit(int i, int e) { return F::unit_of(i, e); }
     // r[e]: unit e's dot product (F::unit's value)
     static __device__ __forceinline__ void decode(const uint8_t* b, int i, const UnitX* a, float* r) {
-        if constexpr (PER == 1) r[0] = F::unit(b, i, a[0].x, a[0].s);
-        else F::pair(b, i, a, r);
+        F::pair(b, i, a, r);
     }
 };
 
@@ -290,14 +228,11 @@ __device__ __forceinline__ void load_item(int g0, int it, const int8_t* __restri
 }
 
 // decode_group in items (lane, lane + 32, ... below `items`). With one activation row (decode)
-// every item's activation loads are issued before any arithmetic: they are L1 hits, but the
-// not-unrolled loop of decode_group waits on each unit's loads before its arithmetic (the
-// long-scoreboard stalls of the Q4_K kernels). With more rows each item loads a row's
-// activations just before its arithmetic, as decode_group does (all of them at once would hold
-// N x 8 words an item: ~250 registers a thread for N = 8). Each unit's term (d times its dot
-// product) is added to acc as in decode_group and a lane's units come in increasing order, so
-// with one unit an item (NTX_UNROLL_UNITS alone) every lane adds the same terms in the same
-// order: the same bits.
+// every item's activation loads are issued before any arithmetic (the loop of decode_group waits
+// on each unit's loads, L1 hits, before its arithmetic). With more rows each item loads a row's
+// activations just before its arithmetic (all of them at once would hold N x 8 words an item:
+// ~250 registers a thread for N = 8). Each row adds the same terms in the same order for every N,
+// so a token's row of an N-row product equals its one-row product bit for bit.
 template <class F, int N>
 __device__ __forceinline__ void decode_items(const uint8_t* sg, int g0, int nb, const int8_t* __restrict__ xq,
                                              const float* __restrict__ xd, const float* __restrict__ xs, int k,
@@ -327,46 +262,16 @@ __device__ __forceinline__ void decode_items(const uint8_t* sg, int g0, int nb, 
     }
 }
 
-// decode_group2 in items: decode_items for rows A and B on one set of activation loads.
-template <class F>
-__device__ __forceinline__ void decode_items2(const uint8_t* sa, const uint8_t* sb, int g0, int nb,
-                                              const int8_t* __restrict__ xq, const float* __restrict__ xd,
-                                              const float* __restrict__ xs, int lane, float* a, float* b) {
-    typedef FastItems<F> It;
-    const int items = min(F::G, nb - g0) * It::PER_BLOCK;
-    UnitX x[It::LANE][It::PER];
-#pragma unroll
-    for (int i = 0; i < It::LANE; ++i)
-        if (lane + 32 * i < items) load_item<F>(g0, lane + 32 * i, xq, xd, xs, x[i]);
-#pragma unroll
-    for (int i = 0; i < It::LANE; ++i) {
-        const int it = lane + 32 * i;
-        if (it < items) {
-            const int off = it / It::PER_BLOCK * F::B::BYTES;
-            float ra[It::PER], rb[It::PER];
-            It::decode(sa + off, it % It::PER_BLOCK, x[i], ra);
-            It::decode(sb + off, it % It::PER_BLOCK, x[i], rb);
-#pragma unroll
-            for (int e = 0; e < It::PER; ++e) {
-                *a += x[i][e].d * ra[e];
-                *b += x[i][e].d * rb[e];
-            }
-        }
-    }
-}
-
 // The units of one group (blocks g0.. of the row, staged at sg) against the n activation rows:
 // lane u takes units u, u + 32, ... (k32 = k / 32 comes from the caller).
 template <class F, int N>
 __device__ __forceinline__ void decode_group(const uint8_t* sg, int g0, int nb, const int8_t* __restrict__ xq,
                                              const float* __restrict__ xd, const float* __restrict__ xs,
                                              int k, int k32, int n, int lane, float* acc) {
-#if NTX_UNROLL_UNITS || NTX_Q4_PAIR || NTX_Q6_PAIR
-    if constexpr (fast_items<F>()) {
+    if constexpr (fast_per<F>() > 1) {
         decode_items<F, N>(sg, g0, nb, xq, xd, xs, k, k32, n, lane, acc);
         return;
     }
-#endif
     const int units = min(F::G, nb - g0) * F::B::UNITS;
     for (int u = lane; u < units; u += 32) {
         const int bl = u / F::B::UNITS, j = u % F::B::UNITS;
@@ -463,12 +368,7 @@ template <class F>
 __device__ __forceinline__ void decode_group2(const uint8_t* sa, const uint8_t* sb, int g0, int nb,
                                               const int8_t* __restrict__ xq, const float* __restrict__ xd,
                                               const float* __restrict__ xs, int lane, float* a, float* b) {
-#if NTX_UNROLL_UNITS || NTX_Q4_PAIR || NTX_Q6_PAIR
-    if constexpr (fast_items<F>()) {
-        decode_items2<F>(sa, sb, g0, nb, xq, xd, xs, lane, a, b);
-        return;
-    }
-#endif
+    static_assert(fast_per<F>() == 1, "the paired rows take the unit decode (NTX_Q6_ANY)");
     const int units = min(F::G, nb - g0) * F::B::UNITS;
     for (int u = lane; u < units; u += 32) {
         const int bl = u / F::B::UNITS, j = u % F::B::UNITS;

@@ -18,7 +18,7 @@ SOURCES = ("matvec.cu", "matvec_fast.cu", "fused.cu", "mmq.cu", "dequant.cu", "o
            "attn_grid.cu")
 OPTIONS = ("-std=c++17", "-default-device", "-lineinfo")
 # the dp4a matvec's macros (launch shape NTX_G_*, NTX_FAST_WARPS, NTX_FAST_MINB, NTX_SWIGLU_MINB;
-# NTX_PRE_WAIT, NTX_SWIGLU_PAIR; matvec_fast.cuh, fused.cu) can be set for a tuning run with
+# NTX_PRE_WAIT, NTX_SWIGLU_PAIR, NTX_Q6_PAIR; matvec_fast.cuh, fused.cu) can be set for a tuning run with
 # NTX_CUDA_DEFINES="-DNAME=VALUE ..."; they apply to these sources only
 TUNABLE = ("matvec_fast.cu", "fused.cu")
 

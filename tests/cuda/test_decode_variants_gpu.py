@@ -1,13 +1,11 @@
-"""The opt-in decode forms of the dp4a kernels (matvec_fast.cuh) against the numpy backend and the
-default build:
-- NTX_UNROLL_UNITS=1: a lane's units in a loop of compile-time trip count, all activation loads
-  first. Each lane adds the same terms in the same order, so matvec outputs and whole-model
-  logits must equal the default build's bit for bit.
-- NTX_Q4_PAIR=1 / NTX_Q6_PAIR=1: one lane decodes two units that share their weight bytes. Each
-  unit's term is the same, but the lanes hold other units, so the warp's sums come in another
-  order: the matvecs are held to numpy (rel L2 < 2e-5, as every dp4a matvec test) and the
-  logits to the default build within what that matvec tolerance can move them (see
-  test_variant_logits_follow_the_default_build).
+"""The paired Q6_K decode of the dp4a kernels (NTX_Q6_PAIR, default 1, matvec_fast.cuh: one lane
+decodes units s and s + 2 of a half) against the numpy backend and the unit decode
+(-DNTX_Q6_PAIR=0). Each unit's term is the same, but the lanes hold other units, so a warp's sums
+come in another order: the matvecs are held to numpy (rel L2 < 2e-5, as every dp4a matvec test)
+and the logits to the unit build within what that tolerance can move them. The fused kernels
+keep the unit decode in both builds, so their outputs must be the same bits; and every row of a
+several-token product must equal that token's one-token product bit for bit (speculative
+decoding's verify pass against plain decoding).
 CPU side (clean builds, no spills): tests/cuda/test_compile.py."""
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ from tests.cuda.conftest import greedy_logits, synthetic_gguf
 pytestmark = pytest.mark.gpu
 
 T = GGMLType
-UNROLL = "-DNTX_UNROLL_UNITS=1"
-VARIANTS = [UNROLL, "-DNTX_Q4_PAIR=1", "-DNTX_Q6_PAIR=1"]
+UNIT = "-DNTX_Q6_PAIR=0"  # the build without the paired decode
 MATVEC_REL = 2e-5  # rel L2 of a dp4a matvec against numpy, the bound of every matvec test
 
 
@@ -37,71 +34,65 @@ def _backend(monkeypatch, defines: str = "", **kw):
     return b
 
 
-# rows x k: partial last group, one group, many groups (Q8_0: 14 of 32 blocks), a 1000-row grid
-# (Q6_K rows of k = 2304 are not whole 16-byte chunks: those take the float kernels)
-SHAPES = [(67, 6144), (37, 2304), (5, 14336), (1000, 4096)]
+# rows x k: a partial last group, many groups, a 1000-row grid (Q6_K's dp4a path needs k % 2048 == 0)
+SHAPES = [(67, 6144), (5, 14336), (1000, 4096), (3, 2048)]
 
 
-@pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
-@pytest.mark.parametrize("defines", VARIANTS)
-def test_variant_matvec_against_numpy_and_the_default_build(cuda_backend, synth, monkeypatch, t, defines):
-    base, other = _backend(monkeypatch), _backend(monkeypatch, defines)
+def _product(b, raw, t, shape, x):
+    w = b.matrix(raw, t, shape, "w")
+    assert b.uses_fast(w)
+    b._act_cache = None
+    return b.to_numpy(b.matmul(w, b.from_numpy(x)))
+
+
+@pytest.mark.parametrize("t", [T.Q6_K, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_paired_matvec_against_numpy_and_the_unit_build(cuda_backend, synth, monkeypatch, t):
+    """Both builds within MATVEC_REL of numpy; the types without a paired decode give the same
+    bits in both; a token's row of an n-token product (the _n8 kernels) equals its one-token
+    product (the _n1 kernels) in the default build."""
+    base, unit = _backend(monkeypatch), _backend(monkeypatch, UNIT)
     for rows, k in SHAPES:
         rng = np.random.default_rng(rows + k)
         raw = synth.random_blocks(t, rows * k, rng)
         w_np = NumpyBackend().matrix(raw, t, (rows, k), "w")
-        for n in (1, 3, 11):
-            x = (rng.standard_normal((n, k)) * rng.uniform(0.1, 10, k)).astype(np.float32)
-            outs = []
-            for b in (base, other):
-                w = b.matrix(raw, t, (rows, k), "w")
-                b._act_cache = None
-                outs.append(b.to_numpy(b.matmul(w, b.from_numpy(x))))
-            what = f"{defines} {t.name} {rows}x{k} n={n}"
-            assert np.isfinite(outs[1]).all(), f"{what}: unwritten outputs"
-            if defines == UNROLL:
-                assert np.array_equal(outs[0], outs[1]), f"{what}: max |diff| {np.abs(outs[0] - outs[1]).max()}"
-            ref = NumpyBackend().matmul(w_np, x)
-            err = np.linalg.norm(outs[1] - ref) / np.linalg.norm(ref)
-            assert err < MATVEC_REL, f"{what}: rel L2 {err:.2e} against numpy"
+        x = (rng.standard_normal((5, k)) * rng.uniform(0.1, 10, k)).astype(np.float32)
+        ref = NumpyBackend().matmul(w_np, x)
+        got, other = _product(base, raw, t, (rows, k), x), _product(unit, raw, t, (rows, k), x)
+        what = f"{t.name} {rows}x{k}"
+        for out, build in ((got, "default"), (other, UNIT)):
+            assert np.isfinite(out).all(), f"{what} {build}: unwritten outputs"
+            err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+            assert err < MATVEC_REL, f"{what} {build}: rel L2 {err:.2e} against numpy"
+        if t != T.Q6_K:
+            assert np.array_equal(got, other), f"{what}: the builds differ for a type they decode alike"
+        for i in range(x.shape[0]):
+            one = _product(base, raw, t, (rows, k), x[i:i + 1])
+            assert np.array_equal(one[0], got[i]), f"{what}: token {i} alone differs from its row of 5"
 
 
-def _rel(out, ref) -> float:
-    assert np.isfinite(out).all(), "unwritten or non-finite outputs"
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-@pytest.mark.parametrize("n", [1, 3])
-@pytest.mark.parametrize("defines", VARIANTS)
-def test_variant_fused_kernels_against_numpy_and_the_default_build(cuda_backend, synth, monkeypatch, defines, n):
-    """matvecf_multi (q, k, v of mixed types: fast_row_any) and matvecf_swiglu (n = 1: the paired
-    gate/up rows, decode_group2) of the variant build: within MATVEC_REL of numpy, and the same bits
-    as the default build for NTX_UNROLL_UNITS."""
-    k, npb = 4096, NumpyBackend()  # Q6_K's dp4a path needs k % 2048 == 0
-    base, other = _backend(monkeypatch, fuse="all"), _backend(monkeypatch, defines, fuse="all")
-    rng = np.random.default_rng(41 + n)
-    x = (rng.standard_normal((n, k)) * 2).astype(np.float32)
-    mix = [(T.Q4_K, 67), (T.Q4_K, 37), (T.Q6_K, 5)]
-    ws = [(t, rows, synth.random_blocks(t, rows * k, rng)) for t, rows in mix]
-    outs = []
-    for b in (base, other):
-        mats = [b.matrix(raw, t, (rows, k), f"w{i}") for i, (t, rows, raw) in enumerate(ws)]
-        assert all(b.uses_fast(m) for m in mats)
-        b._act_cache = None
-        outs.append([b.to_numpy(y) for y in b.matmul_many(mats, b.from_numpy(x))])
-    for (t, rows, raw), want, got in zip(ws, *outs):
-        assert _rel(got, npb.matmul(npb.matrix(raw, t, (rows, k), "w"), x)) < MATVEC_REL, f"{defines} multi {t.name}"
-        if defines == UNROLL:
-            assert np.array_equal(got, want), f"{defines} multi {t.name}: differs from the default build"
-    for t in (T.Q4_K, T.Q6_K, T.Q8_0):
-        rows = 71
-        rg, ru = synth.random_blocks(t, rows * k, rng), synth.random_blocks(t, rows * k, rng)
-        want, got = [b.to_numpy(b.matmul_swiglu(b.matrix(rg, t, (rows, k), "g"), b.matrix(ru, t, (rows, k), "u"),
-                                                b.from_numpy(x))) for b in (base, other)]
-        ref = npb.matmul_swiglu(npb.matrix(rg, t, (rows, k), "g"), npb.matrix(ru, t, (rows, k), "u"), x)
-        assert _rel(got, ref) < MATVEC_REL, f"{defines} swiglu {t.name} n={n}"
-        if defines == UNROLL:
-            assert np.array_equal(got, want), f"{defines} swiglu {t.name} n={n}: differs from the default build"
+def test_fused_kernels_are_the_same_in_both_builds(cuda_backend, synth, monkeypatch):
+    """matvecf_multi (Q4_K q/k with a Q6_K v: fast_row_any) and matvecf_swiglu (the paired gate/up
+    rows) take the unit Q6_K decode in both builds (their register bounds): the same bits, and
+    within MATVEC_REL of numpy."""
+    k, npb = 4096, NumpyBackend()
+    base, unit = _backend(monkeypatch, fuse="all"), _backend(monkeypatch, UNIT, fuse="all")
+    for n in (1, 3):
+        rng = np.random.default_rng(41 + n)
+        x = (rng.standard_normal((n, k)) * 2).astype(np.float32)
+        ws = [(t, rows, synth.random_blocks(t, rows * k, rng)) for t, rows in [(T.Q4_K, 67), (T.Q4_K, 37), (T.Q6_K, 5)]]
+        outs = []
+        for b in (base, unit):
+            mats = [b.matrix(raw, t, (rows, k), f"w{i}") for i, (t, rows, raw) in enumerate(ws)]
+            b._act_cache = None
+            outs.append([b.to_numpy(y) for y in b.matmul_many(mats, b.from_numpy(x))])
+        for (t, rows, raw), got, other in zip(ws, *outs):
+            assert np.array_equal(got, other), f"multi {t.name} n={n}: the builds differ"
+            assert np.linalg.norm(got - npb.matmul(npb.matrix(raw, t, (rows, k), "w"), x)) < \
+                MATVEC_REL * np.linalg.norm(got), f"multi {t.name} n={n} against numpy"
+        rg, ru = synth.random_blocks(T.Q6_K, 71 * k, rng), synth.random_blocks(T.Q6_K, 71 * k, rng)
+        got, other = [b.to_numpy(b.matmul_swiglu(b.matrix(rg, T.Q6_K, (71, k), "g"), b.matrix(ru, T.Q6_K, (71, k), "u"),
+                                                  b.from_numpy(x))) for b in (base, unit)]
+        assert np.array_equal(got, other), f"swiglu Q6_K n={n}: the builds differ"
 
 
 def _forced_logits(model, forward, prompt, toks) -> list:
@@ -124,39 +115,37 @@ def _noise_floor(gf, cfg, seq, rel: float) -> np.ndarray:
     return rounding_noise(lambda: ref.forward(np.asarray(seq), 0, all_logits=True), npb, rel=rel)
 
 
-CASES = [("tiny", "q8_0", 4), ("tiny", "q4_k_m", 4)]
 STEPS = 6
 
 
-@pytest.mark.parametrize("defines", VARIANTS)
-@pytest.mark.parametrize("shape,mix,layers", CASES, ids=[f"{s}-{m}" for s, m, _ in CASES])
-def test_variant_logits_follow_the_default_build(cuda_backend, synth, monkeypatch, tmp_path, shape, mix, layers,
-                                                 defines):
-    """Fused qkv / gate-up kernels included (fused.cu), prefill, decode and the CUDA graph, the
-    variant fed the default build's greedy tokens. NTX_UNROLL_UNITS: the same bits. The pairs:
-    each matmul of either build is within MATVEC_REL of numpy, so the logits may move by what
-    jittering every matmul input of the numpy model by that relative amount moves them (int8
-    re-quantization can turn a last-bit difference into one int8 step): per position at most
-    3 x that noise floor + 1e-3, the margin tests/cuda/test_engine_gpu.py gives prefill logits."""
+def test_paired_logits_follow_the_unit_build(cuda_backend, synth, monkeypatch, tmp_path):
+    """A Q4_K_M model whose Q6_K down projections and output take matvecf_q6_k (the "small"
+    synthetic shape: k = 2048), prefill, decode and the CUDA graph, the paired build fed the unit
+    build's greedy tokens. Each matmul of either build is within MATVEC_REL of numpy, so the
+    logits may move by what jittering every matmul input of the numpy model by that relative
+    amount moves them (int8 re-quantization can turn a last-bit difference into one int8 step):
+    per position at most 3 x that noise floor + 1e-3, the margin tests/cuda/test_engine_gpu.py
+    gives prefill logits. The paired kernel must have run."""
     from ntx_engine.backends.cuda_graph import DecodeGraph
     from ntx_engine.model import Transformer, WeightLoader
 
-    gf, cfg = synthetic_gguf(synth, tmp_path, shape, mix, layers, seed=9)
+    gf, cfg = synthetic_gguf(synth, tmp_path, "small", "q4_k_m", 2, seed=9)
     prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, 11)
-    b = _backend(monkeypatch, "", fuse="all")
+    b = _backend(monkeypatch, UNIT, fuse="all")
     model = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 64)
     base = greedy_logits(model, DecodeGraph(model).forward, prompt, STEPS)
     toks = [int(np.argmax(step[-1])) for step in base[:-1]]
-    b = _backend(monkeypatch, defines, fuse="all")
+    b = _backend(monkeypatch, "", fuse="all")
     model = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 64)
+    model.forward(prompt, 0)
+    b.k.profile = []
+    model.forward(np.asarray([toks[0]]), len(prompt))  # one plain step, to see which kernels run
+    assert "matvecf_q6_k_n1" in {name for name, *_ in b.k.profile}, "no Q6_K weight took the dp4a kernel"
+    b.k.profile = None
     runs = _forced_logits(model, DecodeGraph(model).forward, prompt, toks)
-    if defines == UNROLL:
-        for i, (a, p) in enumerate(zip(base, runs)):
-            assert np.array_equal(a, p), f"pass {i}: {defines}: logits differ (max {np.abs(a - p).max()})"
-        return
     noise = _noise_floor(gf, cfg, [*prompt.tolist(), *toks], MATVEC_REL)
     starts = [0, *range(len(prompt), len(prompt) + STEPS)]  # first position of each pass
     for i, (a, p) in enumerate(zip(base, runs)):
         floor = float(noise[starts[i]:starts[i] + len(a)].max())
         diff = float(np.abs(a - p).max())
-        assert diff <= 3 * floor + 1e-3, f"pass {i}: {defines}: logits differ by {diff} (noise floor {floor})"
+        assert diff <= 3 * floor + 1e-3, f"pass {i}: logits differ by {diff} (noise floor {floor})"
