@@ -160,10 +160,17 @@ constexpr int fast_per<FastQ6_K>() { return 2; }
 // bound) keep the unit Q6_K decode: the paired one holds ~10 more registers (two units'
 // activations with 18 ql/qh words) than the multi (64) and swiglu (80) bounds leave, and
 // spilled there; matvecf_q6_k_n1 (the Q6_K down projection and output) takes it.
+// They decode a lane's units one at a time but in the paired decode's order (fast_pair_order:
+// units s and s + 2 of an item, items lane, lane + 32, ...), so a Q6_K row gives the same bits in
+// the fused kernels as in matvecf_q6_k (tests/cuda/test_fused_gpu.py holds them to that).
+template <class F>
+constexpr bool fast_pair_order() { return false; }
 #if NTX_Q6_PAIR
 struct FastQ6_KFused : FastQ6_K {};
 template <>
 constexpr int fast_per<FastQ6_KFused>() { return 1; }
+template <>
+constexpr bool fast_pair_order<FastQ6_KFused>() { return true; }
 #define NTX_Q6_ANY FastQ6_KFused
 #else
 #define NTX_Q6_ANY FastQ6_K
@@ -262,6 +269,23 @@ __device__ __forceinline__ void decode_items(const uint8_t* sg, int g0, int nb, 
     }
 }
 
+// Unit j of block bl of the group (blocks g0.., staged at sg) against the n activation rows, added to acc.
+template <class F, int N>
+__device__ __forceinline__ void unit_terms(const uint8_t* sg, int g0, int bl, int j, const int8_t* __restrict__ xq,
+                                           const float* __restrict__ xd, const float* __restrict__ xs, int k, int k32,
+                                           int n, float* acc) {
+    const int col32 = (g0 + bl) * (F::B::QK / 32) + j;  // global index of the 32 values
+#pragma unroll
+    for (int t = 0; t < N; ++t) {
+        if (t < n) {
+            int x[8];
+            ldx(xq + (size_t)t * k + 32 * (size_t)col32, x);
+            const size_t si = (size_t)t * k32 + col32;
+            acc[t] += __ldg(xd + si) * F::unit(sg + bl * F::B::BYTES, j, x, __ldg(xs + si));
+        }
+    }
+}
+
 // The units of one group (blocks g0.. of the row, staged at sg) against the n activation rows:
 // lane u takes units u, u + 32, ... (k32 = k / 32 comes from the caller).
 template <class F, int N>
@@ -272,20 +296,19 @@ __device__ __forceinline__ void decode_group(const uint8_t* sg, int g0, int nb, 
         decode_items<F, N>(sg, g0, nb, xq, xd, xs, k, k32, n, lane, acc);
         return;
     }
-    const int units = min(F::G, nb - g0) * F::B::UNITS;
-    for (int u = lane; u < units; u += 32) {
-        const int bl = u / F::B::UNITS, j = u % F::B::UNITS;
-        const int col32 = (g0 + bl) * (F::B::QK / 32) + j;  // global index of the 32 values
-#pragma unroll
-        for (int t = 0; t < N; ++t) {
-            if (t < n) {
-                int x[8];
-                ldx(xq + (size_t)t * k + 32 * (size_t)col32, x);
-                const size_t si = (size_t)t * k32 + col32;
-                acc[t] += __ldg(xd + si) * F::unit(sg + bl * F::B::BYTES, j, x, __ldg(xs + si));
-            }
+    if constexpr (fast_pair_order<F>()) {
+        constexpr int PB = F::B::UNITS / 2;  // items a block
+        const int items = min(F::G, nb - g0) * PB;
+        for (int it = lane; it < items; it += 32) {
+#pragma unroll 1  // one unit at a time, as the unit order's loop (registers: the multi bound)
+            for (int e = 0; e < 2; ++e)
+                unit_terms<F, N>(sg, g0, it / PB, F::unit_of(it % PB, e), xq, xd, xs, k, k32, n, acc);
         }
+        return;
     }
+    const int units = min(F::G, nb - g0) * F::B::UNITS;
+    for (int u = lane; u < units; u += 32)
+        unit_terms<F, N>(sg, g0, u / F::B::UNITS, u % F::B::UNITS, xq, xd, xs, k, k32, n, acc);
 }
 
 // NTX_PRE_WAIT = P (default 1; 0 turns it off, at most 2): the kernels load the first P groups of
@@ -361,6 +384,19 @@ __device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row,
     for (int t = 0; t < N; ++t) acc[t] = warp_sum(acc[t]);
 }
 
+// unit_terms for rows A and B (staged at sa and sb) and one activation row, its loads shared.
+template <class F>
+__device__ __forceinline__ void unit_terms2(const uint8_t* sa, const uint8_t* sb, int g0, int bl, int j,
+                                            const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                                            const float* __restrict__ xs, float* a, float* b) {
+    const int col32 = (g0 + bl) * (F::B::QK / 32) + j;
+    int x[8];
+    ldx(xq + 32 * (size_t)col32, x);
+    const float d = __ldg(xd + col32), sx = __ldg(xs + col32);
+    *a += d * F::unit(sa + bl * F::B::BYTES, j, x, sx);
+    *b += d * F::unit(sb + bl * F::B::BYTES, j, x, sx);
+}
+
 // decode_group for rows A and B of the same type at once: each unit's activations are loaded
 // once for both rows (the L1 traffic of the int8 activations is as large as the weights' own for
 // Q4_K). Each row adds the same terms in the same order as decode_group.
@@ -369,16 +405,18 @@ __device__ __forceinline__ void decode_group2(const uint8_t* sa, const uint8_t* 
                                               const int8_t* __restrict__ xq, const float* __restrict__ xd,
                                               const float* __restrict__ xs, int lane, float* a, float* b) {
     static_assert(fast_per<F>() == 1, "the paired rows take the unit decode (NTX_Q6_ANY)");
-    const int units = min(F::G, nb - g0) * F::B::UNITS;
-    for (int u = lane; u < units; u += 32) {
-        const int bl = u / F::B::UNITS, j = u % F::B::UNITS;
-        const int col32 = (g0 + bl) * (F::B::QK / 32) + j;
-        int x[8];
-        ldx(xq + 32 * (size_t)col32, x);
-        const float d = __ldg(xd + col32), sx = __ldg(xs + col32);
-        *a += d * F::unit(sa + bl * F::B::BYTES, j, x, sx);
-        *b += d * F::unit(sb + bl * F::B::BYTES, j, x, sx);
+    if constexpr (fast_pair_order<F>()) {  // decode_group's order for these types
+        constexpr int PB = F::B::UNITS / 2;
+        const int items = min(F::G, nb - g0) * PB;
+        for (int it = lane; it < items; it += 32) {
+#pragma unroll 1  // one unit at a time, as the unit order's loop (registers: the swiglu bound)
+            for (int e = 0; e < 2; ++e) unit_terms2<F>(sa, sb, g0, it / PB, F::unit_of(it % PB, e), xq, xd, xs, a, b);
+        }
+        return;
     }
+    const int units = min(F::G, nb - g0) * F::B::UNITS;
+    for (int u = lane; u < units; u += 32)
+        unit_terms2<F>(sa, sb, g0, u / F::B::UNITS, u % F::B::UNITS, xq, xd, xs, a, b);
 }
 
 // Row `row` of Wa and of Wb (same type and k) times one activation row, by one warp, the two

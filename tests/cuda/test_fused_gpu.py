@@ -198,7 +198,8 @@ def test_decode_attention_quantizes_for_the_o_projection(cuda_backend, synth, t,
         assert np.array_equal(got, want), f"step {i // 2} {'matmul' if i % 2 else 'attention'} differs"
 
 
-CASES = [("tiny", "q8_0", 4), ("tiny", "q4_k_m", 4), ("smollm2-135m", "q4_1", 3)]
+# "small": rows of 2048, so the Q6_K v, down and output rows take the dp4a kernels (paired decode)
+CASES = [("tiny", "q8_0", 4), ("tiny", "q4_k_m", 4), ("smollm2-135m", "q4_1", 3), ("small", "q4_k_m", 2)]
 
 
 @pytest.mark.parametrize("shape,mix,layers", CASES, ids=[f"{s}-{m}" for s, m, _ in CASES])
