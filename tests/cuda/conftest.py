@@ -21,6 +21,17 @@ def _load_script(name: str):
     return mod
 
 
+def built_with(monkeypatch, defines: str = "", **kw):
+    """A CUDA backend whose tunable kernels (cuda_nvrtc.TUNABLE) are built with `defines`
+    (NTX_CUDA_DEFINES; "": the default build), kw passed to CudaBackend."""
+    from ntx_engine.backends.cuda_backend import CudaBackend
+
+    monkeypatch.setenv("NTX_CUDA_DEFINES", defines)
+    b = CudaBackend(**kw)
+    monkeypatch.delenv("NTX_CUDA_DEFINES")
+    return b
+
+
 @pytest.fixture(scope="session")
 def synth():
     """scripts/make_synthetic_model.py as a module (random valid blocks, model writer)."""

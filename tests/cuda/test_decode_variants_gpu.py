@@ -15,23 +15,13 @@ import pytest
 
 from ntx_engine.backends.numpy_backend import NumpyBackend
 from ntx_engine.quants import GGMLType
-from tests.cuda.conftest import greedy_logits, synthetic_gguf
+from tests.cuda.conftest import built_with, greedy_logits, synthetic_gguf
 
 pytestmark = pytest.mark.gpu
 
 T = GGMLType
 UNIT = "-DNTX_Q6_PAIR=0"  # the build without the paired decode
 MATVEC_REL = 2e-5  # rel L2 of a dp4a matvec against numpy, the bound of every matvec test
-
-
-def _backend(monkeypatch, defines: str = "", **kw):
-    """A CUDA backend whose tunable kernels are built with `defines` ("": the default build)."""
-    from ntx_engine.backends.cuda_backend import CudaBackend
-
-    monkeypatch.setenv("NTX_CUDA_DEFINES", defines)
-    b = CudaBackend(**kw)
-    monkeypatch.delenv("NTX_CUDA_DEFINES")
-    return b
 
 
 # rows x k: a partial last group, many groups, a 1000-row grid (Q6_K's dp4a path needs k % 2048 == 0)
@@ -50,7 +40,7 @@ def test_paired_matvec_against_numpy_and_the_unit_build(cuda_backend, synth, mon
     """Both builds within MATVEC_REL of numpy; the types without a paired decode give the same
     bits in both; a token's row of an n-token product (the _n8 kernels) equals its one-token
     product (the _n1 kernels) in the default build."""
-    base, unit = _backend(monkeypatch), _backend(monkeypatch, UNIT)
+    base, unit = built_with(monkeypatch), built_with(monkeypatch, UNIT)
     for rows, k in SHAPES:
         rng = np.random.default_rng(rows + k)
         raw = synth.random_blocks(t, rows * k, rng)
@@ -77,7 +67,7 @@ def test_fused_kernels_follow_their_build(cuda_backend, synth, monkeypatch):
     build), and stay within MATVEC_REL of numpy."""
     k, npb = 4096, NumpyBackend()
     for defines in ("", UNIT):
-        fused, plain = _backend(monkeypatch, defines, fuse="all"), _backend(monkeypatch, defines, fuse="none")
+        fused, plain = built_with(monkeypatch, defines, fuse="all"), built_with(monkeypatch, defines, fuse="none")
         for n in (1, 3):
             rng = np.random.default_rng(41 + n)
             x = (rng.standard_normal((n, k)) * 2).astype(np.float32)
@@ -136,11 +126,11 @@ def test_paired_logits_follow_the_unit_build(cuda_backend, synth, monkeypatch, t
 
     gf, cfg = synthetic_gguf(synth, tmp_path, "small", "q4_k_m", 2, seed=9)
     prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, 11)
-    b = _backend(monkeypatch, UNIT, fuse="all")
+    b = built_with(monkeypatch, UNIT, fuse="all")
     model = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 64)
     base = greedy_logits(model, DecodeGraph(model).forward, prompt, STEPS)
     toks = [int(np.argmax(step[-1])) for step in base[:-1]]
-    b = _backend(monkeypatch, "", fuse="all")
+    b = built_with(monkeypatch, "", fuse="all")
     model = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 64)
     model.forward(prompt, 0)
     b.k.profile = []

@@ -11,21 +11,11 @@ import pytest
 
 from ntx_engine.backends.numpy_backend import NumpyBackend
 from ntx_engine.quants import GGMLType
-from tests.cuda.conftest import greedy_logits, synthetic_gguf
+from tests.cuda.conftest import built_with, greedy_logits, synthetic_gguf
 
 pytestmark = pytest.mark.gpu
 
 T = GGMLType
-
-
-def _backend(monkeypatch, defines: str = "", **kw):
-    """A CUDA backend whose tunable kernels are built with `defines` ("": the default build)."""
-    from ntx_engine.backends.cuda_backend import CudaBackend
-
-    monkeypatch.setenv("NTX_CUDA_DEFINES", defines)
-    b = CudaBackend(**kw)
-    monkeypatch.delenv("NTX_CUDA_DEFINES")
-    return b
 
 
 # rows x k: partial last group, one group, many groups (Q8_0: 14 of 32 blocks), a 1000-row grid
@@ -34,7 +24,7 @@ SHAPES = [(67, 6144), (37, 2304), (5, 14336), (1000, 4096)]
 
 @pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
 def test_prewait_matvec_equals_the_build_without(cuda_backend, synth, monkeypatch, t):
-    base, other = _backend(monkeypatch), _backend(monkeypatch, "-DNTX_PRE_WAIT=0")
+    base, other = built_with(monkeypatch), built_with(monkeypatch, "-DNTX_PRE_WAIT=0")
     for rows, k in SHAPES:
         rng = np.random.default_rng(rows + k)
         raw = synth.random_blocks(t, rows * k, rng)
@@ -69,7 +59,7 @@ def test_default_logits_equal_the_builds_without(cuda_backend, synth, monkeypatc
     prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, 11)
     runs = []
     for d in ("", defines):
-        b = _backend(monkeypatch, d, fuse="all")
+        b = built_with(monkeypatch, d, fuse="all")
         model = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 64)
         runs.append(greedy_logits(model, DecodeGraph(model).forward, prompt, 6))
     for i, (a, p) in enumerate(zip(*runs)):
