@@ -250,8 +250,9 @@ def _collect(job: Path, console: Path, qemu_log: str, wall: float, out: Path) ->
         raise GuestError(f"guest init failed: {fatal}\n--- console tail ---\n{log[-TAIL_CHARS:]}")
     rc = _read(job / "rc").strip()
     if not rc.lstrip("-").isdigit():
-        raise GuestError(f"guest stopped without running the command\n--- qemu ---\n{qemu_log[-TAIL_CHARS:]}"
-                         f"\n--- console tail ---\n{log[-TAIL_CHARS:]}")
+        raise GuestError(f"guest stopped without running the command (no exit status, wall {wall:.1f} s)\n--- qemu ---\n"
+                         f"{qemu_log[-TAIL_CHARS:]}\n--- console tail ---\n{log[-TAIL_CHARS:]}"
+                         f"\n--- command output tail ---\n{_tail(job / 'output')}")
     return GuestResult(returncode=int(rc), output=_read(job / "output"), console=log,
                        wall_s=wall, out_dir=out)
 
