@@ -141,9 +141,36 @@ extern "C" __global__ void rope_kv(const float* __restrict__ q, const float* __r
     vc[dst + b] = ntx_f2h(v[row + b]);
 }
 
+// The normalized row held in registers by the NTX_NORM_THREADS (1024) threads (o[j]: element
+// threadIdx.x + 1024 j) quantized as quanti_q8_1 quantizes the stored row, bit for bit: warp w
+// holds all 32 values of sub-block w + 32 j, so its sub-blocks' reductions run side by side from
+// registers (was: 32 warps, one sub-block after another each, from the row re-read). H200, 8B
+// Q8_0 decode 316.4-320.6 -> 323.8-329.0 tok/s (session 7, calls 11 and 12). The same for Q8_K
+// (each 256-block's pivot from its 8 warps through shared memory) was slower than the warp a
+// block it replaced, 4.43 -> 6.32 us alone (call 12): Q8_K keeps quanti_q8_k_block.
+__device__ __forceinline__ void quanti_q8_1_regs(const float* o, int k, size_t r, int8_t* xq, float* xd, float* xs) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nsub = k / 32;
+#pragma unroll
+    for (int j = 0; j < NTX_NORM_REGS; ++j) {
+        const int sb = w + 32 * j;
+        if (sb >= nsub) continue;  // warp-uniform
+        const size_t b = r * nsub + sb;
+        float dd, inv;
+        ntx_q8_scale(warp_max(fabsf(o[j])), &dd, &inv);
+        const float q = ntx_q8_q(o[j], inv);
+        xq[32 * b + lane] = (int8_t)(int)q;
+        const float sum = warp_sum(q);  // small integers: exact in any order
+        if (lane == 0) {
+            xd[b] = ntx_round_f16(dd);
+            xs[b] = sum;
+        }
+    }
+}
+
 // Row blockIdx.x: s = x + d (skipped when d is null: the norm reads x), out = rmsnorm(s) * w, and
 // when qmode != 0 out quantized as quanti_q8_1 (qmode 1, k % 32 == 0) or quanti_q8_k (qmode 2,
 // k % 256 == 0) would: ops.cu's add and rmsnorm and matvec_fast.cu's quantizer in one block.
+// Rows of at most NTX_NORM_REGS x 1024 values are quantized from registers for Q8_1 (quanti_q8_1_regs).
 extern "C" __global__ void __launch_bounds__(NTX_NORM_THREADS) add_rmsnorm_quanti(const float* __restrict__ x, const float* __restrict__ d,
                                               float* __restrict__ s, const float* __restrict__ w,
                                               float* __restrict__ out, int8_t* xq, float* xd, float* xs, int k,
@@ -151,6 +178,13 @@ extern "C" __global__ void __launch_bounds__(NTX_NORM_THREADS) add_rmsnorm_quant
     NTX_PDL();
     __shared__ double part[32];
     const size_t r = blockIdx.x;
+    if (qmode == 1 && blockDim.x == NTX_NORM_THREADS && k <= NTX_NORM_REGS * NTX_NORM_THREADS) {
+        float o[NTX_NORM_REGS];
+        ntx_add_rmsnorm_regs(x + r * k, d != nullptr ? d + r * k : nullptr, d != nullptr ? s + r * k : nullptr, w,
+                             out + r * k, k, eps, part, o);
+        quanti_q8_1_regs(o, k, r, xq, xd, xs);
+        return;
+    }
     ntx_add_rmsnorm_row(x + r * k, d != nullptr ? d + r * k : nullptr, d != nullptr ? s + r * k : nullptr, w,
                         out + r * k, k, eps, part);
     if (qmode == 0) return;

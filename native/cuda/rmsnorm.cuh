@@ -31,34 +31,46 @@ __device__ __forceinline__ float ntx_norm_scale(double total, int k, float eps) 
     return 1.0f / sqrtf(mean + eps);
 }
 
+// ntx_add_rmsnorm_row's register path (k <= NTX_NORM_REGS * blockDim.x), which also leaves the
+// thread's outputs in o (o[j]: element threadIdx.x + j * blockDim.x, where it exists).
+__device__ __forceinline__ void ntx_add_rmsnorm_regs(const float* __restrict__ xr, const float* __restrict__ dr,
+                                                     float* __restrict__ s_out, const float* __restrict__ w,
+                                                     float* __restrict__ outr, int k, float eps, double* part,
+                                                     float* o) {
+    const int bd = blockDim.x;
+    float v[NTX_NORM_REGS], wv[NTX_NORM_REGS];
+#pragma unroll
+    for (int j = 0; j < NTX_NORM_REGS; ++j) {
+        const int i = threadIdx.x + j * bd;
+        if (i < k) {
+            v[j] = dr != nullptr ? __fadd_rn(xr[i], dr[i]) : xr[i];
+            wv[j] = w[i];
+        }
+    }
+    double s = 0.0;
+#pragma unroll
+    for (int j = 0; j < NTX_NORM_REGS; ++j)
+        if (threadIdx.x + j * bd < k) s += (double)v[j] * (double)v[j];
+    const float scale = ntx_norm_scale(ntx_block_total(s, part), k, eps);
+#pragma unroll
+    for (int j = 0; j < NTX_NORM_REGS; ++j) {
+        const int i = threadIdx.x + j * bd;
+        if (i < k) {
+            if (s_out != nullptr) s_out[i] = v[j];
+            o[j] = __fmul_rn(__fmul_rn(v[j], scale), wv[j]);
+            outr[i] = o[j];
+        }
+    }
+}
+
 // s = x + d (d null: s = x; s_out null: not stored), out = rmsnorm(s) * w.
 __device__ __forceinline__ void ntx_add_rmsnorm_row(const float* __restrict__ xr, const float* __restrict__ dr,
                                                     float* __restrict__ s_out, const float* __restrict__ w,
                                                     float* __restrict__ outr, int k, float eps, double* part) {
     const int bd = blockDim.x;
     if (k <= NTX_NORM_REGS * bd) {
-        float v[NTX_NORM_REGS], wv[NTX_NORM_REGS];
-#pragma unroll
-        for (int j = 0; j < NTX_NORM_REGS; ++j) {
-            const int i = threadIdx.x + j * bd;
-            if (i < k) {
-                v[j] = dr != nullptr ? __fadd_rn(xr[i], dr[i]) : xr[i];
-                wv[j] = w[i];
-            }
-        }
-        double s = 0.0;
-#pragma unroll
-        for (int j = 0; j < NTX_NORM_REGS; ++j)
-            if (threadIdx.x + j * bd < k) s += (double)v[j] * (double)v[j];
-        const float scale = ntx_norm_scale(ntx_block_total(s, part), k, eps);
-#pragma unroll
-        for (int j = 0; j < NTX_NORM_REGS; ++j) {
-            const int i = threadIdx.x + j * bd;
-            if (i < k) {
-                if (s_out != nullptr) s_out[i] = v[j];
-                outr[i] = __fmul_rn(__fmul_rn(v[j], scale), wv[j]);
-            }
-        }
+        float o[NTX_NORM_REGS];
+        ntx_add_rmsnorm_regs(xr, dr, s_out, w, outr, k, eps, part, o);
         return;
     }
     double s = 0.0;  // longer rows: the same sums, element by element

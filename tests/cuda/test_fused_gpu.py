@@ -122,14 +122,19 @@ def test_rope_attention_equals_rope_rope_store_attention(cuda_backend, rope_type
         assert np.array_equal(fused.to_numpy(fused.v_cache[layer]), plain.to_numpy(plain.v_cache[layer]))
 
 
-@pytest.mark.parametrize("fmt", [None, T.Q8_K, T.Q8_0], ids=["norm-only", "q8_k", "q8_1"])
+# (activation format, row length); 2304 and 1280 end in a partial 1024-value stripe
+NORM_CASES = [(f, k) for f in (None, T.Q8_K, T.Q8_0) for k in (4096, 2304, 8192, 1280)]
+
+
+@pytest.mark.parametrize("fmt,k", NORM_CASES, ids=[f"{f.name if f else 'norm-only'}-{k}" for f, k in NORM_CASES])
 @pytest.mark.parametrize("n", [1, 4])
-def test_add_rmsnorm_quantize_in_one_kernel(cuda_backend, synth, fmt, n):
+def test_add_rmsnorm_quantize_in_one_kernel(cuda_backend, synth, fmt, n, k):
     """add then rmsnorm (held-back add fused into the norm), with the next matmul's int8
-    activations made by the norm kernel when the format is known; the matmul after it, the
-    sum and the norm are bit-identical to the unfused kernels."""
+    activations made by the norm kernel when the format is known (from the registers that hold
+    the row in its 1024-thread block; k = 2304 and 1280 end in a partial stripe);
+    the matmul after it, the sum and the norm are bit-identical to the unfused kernels."""
     fused, plain = _backends()
-    k, rows = 4096, 40
+    rows = 40
     rng = np.random.default_rng(n)
     a, d = (rng.standard_normal((2, n, k)) * 3).astype(np.float32)
     g = rng.standard_normal(k).astype(np.float32)
@@ -151,6 +156,7 @@ def test_add_rmsnorm_quantize_in_one_kernel(cuda_backend, synth, fmt, n):
             assert names[0] == "add_rmsnorm_quanti" and "add" not in names, names
             quantized_by_norm = not any(x.startswith("quanti") for x in names)
             assert quantized_by_norm == (fmt is not None), names
+        assert b is plain or fmt is None or b.uses_fast(w), "the matmul must read the norm's int8 activations"
     for got, want, what in zip(*res, ("sum", "rmsnorm", "matmul")):
         assert np.array_equal(got, want), what
     assert np.array_equal(res[0][0], a + d)
