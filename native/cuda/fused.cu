@@ -145,7 +145,7 @@ extern "C" __global__ void rope_kv(const float* __restrict__ q, const float* __r
 // threadIdx.x + 1024 j) quantized as quanti_q8_1 quantizes the stored row, bit for bit: warp w
 // holds all 32 values of sub-block w + 32 j, so its sub-blocks' reductions run side by side from
 // registers (was: 32 warps, one sub-block after another each, from the row re-read). H200, 8B
-// Q8_0 decode 316.4-320.6 -> 323.8-329.0 tok/s (session 7, calls 11 and 12). The same for Q8_K
+// Q8_0 decode 316.4-320.6 -> 330.7-331.0 tok/s (session 7, calls 11 and 14). The same for Q8_K
 // (each 256-block's pivot from its 8 warps through shared memory) was slower than the warp a
 // block it replaced, 4.43 -> 6.32 us alone (call 12): Q8_K keeps quanti_q8_k_block.
 __device__ __forceinline__ void quanti_q8_1_regs(const float* o, int k, size_t r, int8_t* xq, float* xd, float* xs) {
@@ -153,17 +153,7 @@ __device__ __forceinline__ void quanti_q8_1_regs(const float* o, int k, size_t r
 #pragma unroll
     for (int j = 0; j < NTX_NORM_REGS; ++j) {
         const int sb = w + 32 * j;
-        if (sb >= nsub) continue;  // warp-uniform
-        const size_t b = r * nsub + sb;
-        float dd, inv;
-        ntx_q8_scale(warp_max(fabsf(o[j])), &dd, &inv);
-        const float q = ntx_q8_q(o[j], inv);
-        xq[32 * b + lane] = (int8_t)(int)q;
-        const float sum = warp_sum(q);  // small integers: exact in any order
-        if (lane == 0) {
-            xd[b] = ntx_round_f16(dd);
-            xs[b] = sum;
-        }
+        if (sb < nsub) quanti_q8_1_value(o[j], xq, xd, xs, r * nsub + sb, lane);  // warp-uniform
     }
 }
 

@@ -157,8 +157,26 @@ __device__ __forceinline__ void unit_terms(const uint8_t* sg, int g0, int bl, in
     }
 }
 
-// The units of one group (blocks g0.. of the row, staged at sg) against the n activation rows:
-// lane u takes units u, u + 32, ... (k32 = k / 32 comes from the caller).
+// The lane's units of a group (blocks g0..) in decoding order, as fn(block, unit): units lane,
+// lane + 32, ...; for fast_pair_order types the paired decode's order (items lane, lane + 32, ...,
+// units s and s + 2 of each, one at a time: the fused kernels' register bounds).
+template <class F, class Fn>
+__device__ __forceinline__ void each_unit(int g0, int nb, int lane, Fn fn) {
+    if constexpr (fast_pair_order<F>()) {
+        constexpr int PB = F::B::UNITS / 2;  // items a block
+        const int items = min(F::G, nb - g0) * PB;
+        for (int it = lane; it < items; it += 32) {
+#pragma unroll 1
+            for (int e = 0; e < 2; ++e) fn(it / PB, F::unit_of(it % PB, e));
+        }
+    } else {
+        const int units = min(F::G, nb - g0) * F::B::UNITS;
+        for (int u = lane; u < units; u += 32) fn(u / F::B::UNITS, u % F::B::UNITS);
+    }
+}
+
+// The units of one group (blocks g0.. of the row, staged at sg) against the n activation rows,
+// in each_unit's order (k32 = k / 32 comes from the caller).
 template <class F, int N>
 __device__ __forceinline__ void decode_group(const uint8_t* sg, int g0, int nb, const int8_t* __restrict__ xq,
                                              const float* __restrict__ xd, const float* __restrict__ xs,
@@ -167,19 +185,7 @@ __device__ __forceinline__ void decode_group(const uint8_t* sg, int g0, int nb, 
         decode_items<F, N>(sg, g0, nb, xq, xd, xs, k, k32, n, lane, acc);
         return;
     }
-    if constexpr (fast_pair_order<F>()) {
-        constexpr int PB = F::B::UNITS / 2;  // items a block
-        const int items = min(F::G, nb - g0) * PB;
-        for (int it = lane; it < items; it += 32) {
-#pragma unroll 1  // one unit at a time, as the unit order's loop (registers: the multi bound)
-            for (int e = 0; e < 2; ++e)
-                unit_terms<F, N>(sg, g0, it / PB, F::unit_of(it % PB, e), xq, xd, xs, k, k32, n, acc);
-        }
-        return;
-    }
-    const int units = min(F::G, nb - g0) * F::B::UNITS;
-    for (int u = lane; u < units; u += 32)
-        unit_terms<F, N>(sg, g0, u / F::B::UNITS, u % F::B::UNITS, xq, xd, xs, k, k32, n, acc);
+    each_unit<F>(g0, nb, lane, [&](int bl, int j) { unit_terms<F, N>(sg, g0, bl, j, xq, xd, xs, k, k32, n, acc); });
 }
 
 // NTX_PRE_WAIT = P (default 1; 0 turns it off, at most 2): the kernels load the first P groups of
@@ -276,18 +282,7 @@ __device__ __forceinline__ void decode_group2(const uint8_t* sa, const uint8_t* 
                                               const int8_t* __restrict__ xq, const float* __restrict__ xd,
                                               const float* __restrict__ xs, int lane, float* a, float* b) {
     static_assert(fast_per<F>() == 1, "the paired rows take the unit decode (NTX_Q6_ANY)");
-    if constexpr (fast_pair_order<F>()) {  // decode_group's order for these types
-        constexpr int PB = F::B::UNITS / 2;
-        const int items = min(F::G, nb - g0) * PB;
-        for (int it = lane; it < items; it += 32) {
-#pragma unroll 1  // one unit at a time, as the unit order's loop (registers: the swiglu bound)
-            for (int e = 0; e < 2; ++e) unit_terms2<F>(sa, sb, g0, it / PB, F::unit_of(it % PB, e), xq, xd, xs, a, b);
-        }
-        return;
-    }
-    const int units = min(F::G, nb - g0) * F::B::UNITS;
-    for (int u = lane; u < units; u += 32)
-        unit_terms2<F>(sa, sb, g0, u / F::B::UNITS, u % F::B::UNITS, xq, xd, xs, a, b);
+    each_unit<F>(g0, nb, lane, [&](int bl, int j) { unit_terms2<F>(sa, sb, g0, bl, j, xq, xd, xs, a, b); });
 }
 
 // Row `row` of Wa and of Wb (same type and k) times one activation row, by one warp, the two
@@ -371,10 +366,8 @@ __device__ __forceinline__ void fast_row_any(int type, const uint8_t* W, int row
 // The same quantizers as matvec.cu's quant_q8_1 / quant_q8_k (act_quant.cuh's scalar steps), so
 // xd * xq equals their x_hat exactly (Q8_0/Q8_1) or before its one float rounding (Q8_K).
 
-// One 32-value block b (Q8_0/Q8_1 scale; values at xb, anywhere: global or shared memory) by one warp.
-__device__ __forceinline__ void quanti_q8_1_from(const float* xb, int8_t* xq, float* xd, float* xs, size_t b,
-                                                 int lane) {
-    const float v = xb[lane];
+// One 32-value block b (Q8_0/Q8_1 scale) by one warp, lane's value v.
+__device__ __forceinline__ void quanti_q8_1_value(float v, int8_t* xq, float* xd, float* xs, size_t b, int lane) {
     float d, inv;
     ntx_q8_scale(warp_max(fabsf(v)), &d, &inv);
     const float q = ntx_q8_q(v, inv);
@@ -384,6 +377,12 @@ __device__ __forceinline__ void quanti_q8_1_from(const float* xb, int8_t* xq, fl
         xd[b] = ntx_round_f16(d);
         xs[b] = sum;
     }
+}
+
+// One 32-value block b with its values at xb (anywhere: global or shared memory).
+__device__ __forceinline__ void quanti_q8_1_from(const float* xb, int8_t* xq, float* xd, float* xs, size_t b,
+                                                 int lane) {
+    quanti_q8_1_value(xb[lane], xq, xd, xs, b, lane);
 }
 
 __device__ __forceinline__ void quanti_q8_1_block(const float* x, int8_t* xq, float* xd, float* xs, size_t b,
