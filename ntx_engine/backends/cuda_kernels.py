@@ -32,8 +32,8 @@ ATTN_CHUNK = 64  # positions per block of the split (flash-decoding) attention, 
 ATTN_SPLIT_THREADS = 256
 ATTN_GQA_V = (2, 3, 4, 8)  # head_dim / 32 of the attn_gqa_* kernels
 ATTN_GMAX, ATTN_QMAX = 16, 4096  # query heads per KV head, and their values, the kernels hold
-# attn_grid.cu: blocks a KV head at most (AG_NBMAX), positions a block at least (AG_MINR), its
-# static shared memory (q of the group and the statistics)
+# attn_grid.cu: blocks a KV head at most (AG_NBMAX), positions a block at least (the kernel's minr
+# argument), its static shared memory (q of the group, the statistics, the new K/V rows)
 GRID_NBMAX, GRID_MINR, GRID_STATIC_SMEM = 32, 16, 18 * 1024
 # (head_dim / 32, query heads a KV head) with a grid attention kernel of that fixed group size,
 # attn_grid_<V>_g<G> (fixed loop counts, a third of the generic kernel's code); others take attn_grid_<V>
@@ -86,17 +86,22 @@ def grid_attn_shape(n_head: int, n_kv: int, head_dim: int, n_ctx: int, sm_count:
     return nb, rmax, minr
 
 
-def grid_attn_kernel(n_head: int, n_kv: int, head_dim: int) -> str:
-    """The grid attention kernel for this head layout: the one with the group size fixed where
-    GRID_FIXED_GROUPS has it (NTX_CUDA_GRID_FIXED=0: always the generic one)."""
+def grid_fixed_setting() -> bool:
+    """NTX_CUDA_GRID_FIXED (default 1): whether the grid attention may take its fixed-group kernels."""
     text = os.environ.get("NTX_CUDA_GRID_FIXED", "1")
     if text not in ("0", "1"):
         from ntx_common.errors import UsageError
 
         raise UsageError(f"NTX_CUDA_GRID_FIXED must be 0 or 1, not {text!r}")
+    return text == "1"
+
+
+def grid_attn_kernel(n_head: int, n_kv: int, head_dim: int, fixed: bool | None = None) -> str:
+    """The grid attention kernel for this head layout: the one with the group size fixed where
+    GRID_FIXED_GROUPS has it, unless fixed is False (None: grid_fixed_setting())."""
+    fixed = grid_fixed_setting() if fixed is None else fixed
     v, g = head_dim // 32, n_head // n_kv
-    fixed = (v, g) in GRID_FIXED_GROUPS and text == "1"
-    return f"attn_grid_{v}_g{g}" if fixed else f"attn_grid_{v}"
+    return f"attn_grid_{v}_g{g}" if fixed and (v, g) in GRID_FIXED_GROUPS else f"attn_grid_{v}"
 
 
 def fast_matvec_ok(t: GGMLType, ptr: int, k: int) -> bool:
@@ -125,6 +130,7 @@ class Kernels:
                         for src in cuda_nvrtc.SOURCES}
         self._smem_limits: dict[tuple[str, str], int] = {}  # dynamic shared memory allowed so far
         self.fast_rows = fast_rows()
+        self.grid_fixed = grid_fixed_setting()  # read once: the grid attention launches every layer
 
     def fn(self, source: str, name: str):
         return self.modules[source].function(name)
@@ -322,7 +328,7 @@ class Kernels:
         shape = grid_attn_shape(n_head, n_kv, head_dim, n_ctx, self.device.sm_count, self.device.max_smem_optin, 2)
         if cap == 1 or shape is None:
             return 1
-        name, smem = grid_attn_kernel(n_head, n_kv, head_dim), 4 * (n_head // n_kv) * shape[1]
+        name, smem = grid_attn_kernel(n_head, n_kv, head_dim, self.grid_fixed), 4 * (n_head // n_kv) * shape[1]
         self._allow_smem("attn_grid.cu", name, smem, GRID_STATIC_SMEM)
         fits = check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(self.fn("attn_grid.cu", name),
                                                                           ATTN_SPLIT_THREADS, smem),
@@ -341,7 +347,7 @@ class Kernels:
         cmax, psum, part, counters = scratch
         xq, xd, xs, qmode = quant if quant is not None else (None, None, None, 0)
         rk, rv, ff, rope_dim, rscale, freq_scale, neox = rope if rope is not None else (None, None, None, 0, 0.0, 0.0, 0)
-        name, smem = grid_attn_kernel(n_head, n_kv, head_dim), 4 * (n_head // n_kv) * rmax
+        name, smem = grid_attn_kernel(n_head, n_kv, head_dim, self.grid_fixed), 4 * (n_head // n_kv) * rmax
         self._allow_smem("attn_grid.cu", name, smem, GRID_STATIC_SMEM)
         self._go("attn_grid.cu", name, (nb, n_kv), (ATTN_SPLIT_THREADS,),
                  (q, kc, vc, out, pos, n_head, n_kv, nb, rmax, minr, float(scale), cmax, psum, part, counters, xq, xd,
