@@ -51,6 +51,10 @@ class DecodeGraph:
 
     def _capture(self, token: int, start: int) -> None:
         drv, b = driver(), self.b
+        # one step kernel by kernel first: the fused ops learn their activation formats from the
+        # matmuls that read them (a prefill's GEMMs ask for none), so the graph holds every fusion;
+        # the replay after the capture recomputes this token and writes the same K/V rows again
+        self.model.forward(np.asarray([token]), start)
         b.pool.keep = self._keep
         b.capturing = True
         check(drv.cuStreamBeginCapture(b.stream.handle, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),

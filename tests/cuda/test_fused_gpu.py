@@ -226,3 +226,30 @@ def test_fused_model_logits_equal_unfused(cuda_backend, synth, tmp_path, shape, 
     for i, (f, u, g) in enumerate(zip(*runs)):
         assert np.array_equal(f, u), f"step {i}: fused logits differ from unfused (max {np.abs(f - u).max()})"
         assert np.array_equal(f, g), f"step {i}: fused graph logits differ from fused plain"
+
+
+@pytest.mark.parametrize("shape,mix,layers", [("tiny", "q8_0", 2), ("small", "q4_k_m", 2)], ids=["q8_0", "q4_k_m"])
+def test_decode_graph_holds_the_fused_step(cuda_backend, synth, tmp_path, shape, mix, layers):
+    """DecodeGraph runs one step kernel by kernel before its capture, so the fused ops have learnt
+    their activation formats (after a GEMM prefill they know none): the graph is the warm step's
+    launches plus the argmax (a capture on the first step held a quanti launch a fused op)."""
+    from ntx_engine.backends.cuda_backend import CudaBackend
+    from ntx_engine.backends.cuda_driver import check, driver
+    from ntx_engine.backends.cuda_graph import DecodeGraph
+    from ntx_engine.model import Transformer, WeightLoader
+
+    gf, cfg = synthetic_gguf(synth, tmp_path, shape, mix, layers, seed=6)
+    b = CudaBackend(fuse="all")
+    model = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 64)
+    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, 40)  # a GEMM-sized prefill
+    tok = int(np.argmax(model.forward(prompt, 0)[-1]))
+    graph = DecodeGraph(model)
+    tok = graph.greedy(tok, len(prompt))
+    res = driver().cuGraphGetNodes(graph.graph, 0)
+    check((res[0],), "cuGraphGetNodes")
+    count = int(res[-1])
+    b.k.profile = []
+    model.forward(np.asarray([tok]), len(prompt) + 1)
+    warm = [name for name, *_ in b.k.profile]
+    b.k.profile = None
+    assert count == len(warm) + 1, (count, warm)
