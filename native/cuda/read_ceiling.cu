@@ -3,6 +3,10 @@
 //   read_rows_uU: one warp a row of row_chunks 16-byte chunks (the dp4a kernels' layout), each
 //                 lane keeping U loads in flight; NTX_FAST_WARPS-like 4 warps a block.
 //   read_flat_uU: every thread of a fixed grid strides over the whole buffer, U loads in flight.
+//   read_chain:   one launch of a fixed grid (every block resident) reading up to four buffers one
+//                 after another as read_flat does, at a grid barrier between them or not: what a
+//                 persistent decode kernel could stream a layer's matrices at
+//                 (scripts/bench_ceiling.py layer_ceiling_table).
 // Each writes one word a warp so the loads cannot be dropped; the words are never checked.
 #include "ntx_half.cuh"
 #include "warp.cuh"
@@ -65,3 +69,55 @@ NTX_READ(1)
 NTX_READ(2)
 NTX_READ(4)
 NTX_READ(8)
+
+#define RC_DEADLINE_NS 2000000000ull
+
+// Every block of the grid meets here (all resident: the host sizes the grid so). bar[0] counts
+// arrivals, bar[1] is the generation: the last block to arrive zeroes the count and moves the
+// generation on, so the barrier resets itself for the next use and the next launch. A block
+// waits at most RC_DEADLINE_NS, then traps (the launch fails instead of hanging).
+__device__ void grid_sync(unsigned int* bar, unsigned int nblocks) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int gen, old;
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(gen) : "l"(bar + 1) : "memory");
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(bar) : "memory");
+        if (old == nblocks - 1) {
+            bar[0] = 0u;
+            asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(bar + 1), "r"(gen + 1u) : "memory");
+        } else {
+            const unsigned long long t0 = global_ns();
+            for (unsigned int now = gen; now == gen;) {
+                __nanosleep(32);
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar + 1) : "memory");
+                if (global_ns() - t0 > RC_DEADLINE_NS) __trap();
+            }
+        }
+    }
+    __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(256) read_chain(const uint4* w0, int n0, const uint4* w1, int n1,
+                                                             const uint4* w2, int n2, const uint4* w3, int n3,
+                                                             int barriers, unsigned int* bar, uint32_t* out) {
+    NTX_PDL();
+    const uint4* w[4] = {w0, w1, w2, w3};
+    const int n[4] = {n0, n1, n2, n3};
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    uint32_t acc = 0;
+    for (int m = 0; m < 4; ++m) {
+        if (n[m] <= 0) break;
+        if (m > 0 && barriers) grid_sync(bar, gridDim.x);
+        for (size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x; c < (size_t)n[m]; c += stride * 4) {
+            uint4 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+                if (c + stride * u < (size_t)n[m]) v[u] = __ldcs(w[m] + c + stride * u);
+                else v[u] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) acc ^= xor4(v[u]);
+        }
+    }
+    acc = warp_xor(acc);
+    if ((threadIdx.x & 31) == 0) out[(blockIdx.x * blockDim.x + threadIdx.x) >> 5] = acc;
+}

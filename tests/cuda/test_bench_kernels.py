@@ -4,6 +4,7 @@ every layout the benchmark launches; no GPU needed."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from ntx_engine.backends import cuda_nvrtc
@@ -16,3 +17,21 @@ def test_read_ceiling_kernels_build(arch):
     for u in (1, 2, 4, 8):
         for layout in ("rows", "flat"):
             assert f"read_{layout}_u{u}\0".encode() in cubin, f"read_{layout}_u{u} missing from the {arch} cubin"
+    assert b"read_chain\0" in cubin, f"read_chain missing from the {arch} cubin"
+
+
+@pytest.mark.parametrize("mix,key", [("q4_k_m", "Q4_K_M"), ("q8_0", "Q8_0")])
+def test_layer_ceiling_reads_a_synthetic_8b_layer(mix, key):
+    """scripts/bench_ceiling.py's byte counts are those of make_synthetic_model's llama3-8b layer
+    (the file the decode benchmark runs), matrix by matrix in decode order."""
+    from ntx_engine import quants
+    from tests.cuda.conftest import _load_script
+
+    msm, bc = _load_script("make_synthetic_model"), _load_script("bench_ceiling")
+    _, plan = msm.tensor_plan("llama3-8b", 1, mix)
+    size = {name.removeprefix("blk.0.").removesuffix(".weight"): quants.tensor_nbytes(t, int(np.prod(shape)))
+            for name, t, shape in plan}
+    want = (("qkv", size["attn_q"] + size["attn_k"] + size["attn_v"]), ("o", size["attn_output"]),
+            ("gate+up", size["ffn_gate"] + size["ffn_up"]), ("down", size["ffn_down"]))
+    assert bc.LAYERS[key] == want
+    assert all(n % 16 == 0 for _, n in want)  # read_chain reads whole 16-byte chunks
