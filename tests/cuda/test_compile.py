@@ -71,9 +71,10 @@ def test_fused_kernels_present(arch):
 
 def test_tuning_defines_reach_only_the_dp4a_sources(monkeypatch):
     """NTX_CUDA_DEFINES changes the options (and so the cache key) of the TUNABLE sources
-    (matvec_fast.cu, fused.cu) only; anything but -DNTX_* is refused."""
+    (matvec_fast.cu, fused.cu, attn_grid.cu) only; anything but -DNTX_* is refused."""
     monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_G_Q8_0=64")
     assert cuda_nvrtc.options("fused.cu")[-1] == "-DNTX_G_Q8_0=64"
+    assert cuda_nvrtc.options("attn_grid.cu")[-1] == "-DNTX_G_Q8_0=64"
     assert cuda_nvrtc.options("attention.cu") == cuda_nvrtc.OPTIONS
     assert cuda_nvrtc.options("matvec.cu") == cuda_nvrtc.OPTIONS
     cubin, _ = cuda_nvrtc.compile_cubin("matvec_fast.cu", "sm_90")
@@ -304,3 +305,15 @@ def test_decode_variants_compile_clean_without_spills(monkeypatch, defines):
     default_cubin, _ = cuda_nvrtc.compile_cubin("matvec_fast.cu", "sm_90")
     monkeypatch.setenv("NTX_CUDA_DEFINES", defines)
     assert cuda_nvrtc.compile_cubin("matvec_fast.cu", "sm_90")[0] != default_cubin, f"{defines} changed nothing"
+
+
+@pytest.mark.parametrize("pre", [1, 0])
+def test_grid_attention_loads_kv_before_the_pdl_wait(monkeypatch, pre):
+    """NTX_AG_PRE_WAIT (attn_grid.cu, default 1): the grid attention's first K/V loads come before
+    its PDL wait (and none with 0: every load after it)."""
+    monkeypatch.setenv("NTX_CUDA_DEFINES", f"-DNTX_AG_PRE_WAIT={pre}")
+    ptx = _ptx("attn_grid.cu")
+    body = ptx[ptx.index(".entry attn_grid_4_g4("):]
+    body = body[: body.index("\n}\n")]
+    before = body[: body.index("griddepcontrol.wait")].count("ld.global")
+    assert (before >= 8) if pre else (before == 0), f"{before} global loads before the wait"

@@ -1,8 +1,10 @@
 """The dp4a kernels' two load arrangements against the builds without them: the first weight
 group of each warp's row loaded before the PDL wait (NTX_PRE_WAIT, default 1) and the decode
-gate/up kernel streaming both rows side by side (NTX_SWIGLU_PAIR, default 1). Both add the same
-terms in the same order, so matvec outputs and whole-model logits must be equal bit for bit; the
-matvecs are also held to the numpy backend (the oracle)."""
+gate/up kernel streaming both rows side by side (NTX_SWIGLU_PAIR, default 1), and the grid
+attention's first K/V loads before its PDL wait (NTX_AG_PRE_WAIT, default 1; the tiny and the
+CASES models decode through the grid kernel). Each adds the same terms in the same order, so
+matvec outputs and whole-model logits must be equal bit for bit; the matvecs are also held to the
+numpy backend (the oracle)."""
 
 from __future__ import annotations
 
@@ -44,10 +46,11 @@ def test_prewait_matvec_equals_the_build_without(cuda_backend, synth, monkeypatc
             assert err < 2e-5, f"{t.name} {rows}x{k} n={n}: rel L2 {err:.2e} against numpy"
 
 
-CASES = [("tiny", "q8_0", 4), ("tiny", "q4_k_m", 4)]
+CASES = [("tiny", "q8_0", 4), ("tiny", "q4_k_m", 4), ("small", "q4_k_m", 2)]
 
 
-@pytest.mark.parametrize("defines", ["-DNTX_PRE_WAIT=0", "-DNTX_SWIGLU_PAIR=0", "-DNTX_PRE_WAIT=0 -DNTX_SWIGLU_PAIR=0"])
+@pytest.mark.parametrize("defines", ["-DNTX_PRE_WAIT=0", "-DNTX_SWIGLU_PAIR=0", "-DNTX_PRE_WAIT=0 -DNTX_SWIGLU_PAIR=0",
+                                     "-DNTX_AG_PRE_WAIT=0"])
 @pytest.mark.parametrize("shape,mix,layers", CASES, ids=[f"{s}-{m}" for s, m, _ in CASES])
 def test_default_logits_equal_the_builds_without(cuda_backend, synth, monkeypatch, tmp_path, shape, mix, layers,
                                                  defines):
