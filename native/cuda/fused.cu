@@ -161,22 +161,30 @@ __device__ __forceinline__ void quanti_q8_1_regs(const float* o, int k, size_t r
 // when qmode != 0 out quantized as quanti_q8_1 (qmode 1, k % 32 == 0) or quanti_q8_k (qmode 2,
 // k % 256 == 0) would: ops.cu's add and rmsnorm and matvec_fast.cu's quantizer in one block.
 // Rows of at most NTX_NORM_REGS x 1024 values are quantized from registers for Q8_1 (quanti_q8_1_regs).
+// NTX_NORM_PRE_WAIT (default 1; 0 turns it off): the norm weights are loaded before the PDL wait
+// (a model constant: their HBM round trip overlaps the kernel before), on the register path.
+#ifndef NTX_NORM_PRE_WAIT
+#define NTX_NORM_PRE_WAIT 1
+#endif
 extern "C" __global__ void __launch_bounds__(NTX_NORM_THREADS) add_rmsnorm_quanti(const float* __restrict__ x, const float* __restrict__ d,
                                               float* __restrict__ s, const float* __restrict__ w,
                                               float* __restrict__ out, int8_t* xq, float* xd, float* xs, int k,
                                               float eps, int qmode) {
+    float wv[NTX_NORM_REGS];
+    const bool pre = NTX_NORM_PRE_WAIT && ntx_norm_in_regs(k);
+    if (pre) ntx_norm_weights(w, k, wv);
     NTX_PDL();
     __shared__ double part[32];
     const size_t r = blockIdx.x;
     if (qmode == 1 && blockDim.x == NTX_NORM_THREADS && k <= NTX_NORM_REGS * NTX_NORM_THREADS) {
         float o[NTX_NORM_REGS];
         ntx_add_rmsnorm_regs(x + r * k, d != nullptr ? d + r * k : nullptr, d != nullptr ? s + r * k : nullptr, w,
-                             out + r * k, k, eps, part, o);
+                             out + r * k, k, eps, part, o, NTX_NORM_PRE_WAIT ? wv : nullptr);
         quanti_q8_1_regs(o, k, r, xq, xd, xs);
         return;
     }
     ntx_add_rmsnorm_row(x + r * k, d != nullptr ? d + r * k : nullptr, d != nullptr ? s + r * k : nullptr, w,
-                        out + r * k, k, eps, part);
+                        out + r * k, k, eps, part, NTX_NORM_PRE_WAIT ? wv : nullptr);
     if (qmode == 0) return;
     __syncthreads();  // the row's values, written by the whole block, are visible to every warp
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;

@@ -31,12 +31,26 @@ __device__ __forceinline__ float ntx_norm_scale(double total, int k, float eps) 
     return 1.0f / sqrtf(mean + eps);
 }
 
-// ntx_add_rmsnorm_row's register path (k <= NTX_NORM_REGS * blockDim.x), which also leaves the
-// thread's outputs in o (o[j]: element threadIdx.x + j * blockDim.x, where it exists).
+// Whether a row of k values takes the register path with this block (ntx_add_rmsnorm_regs).
+__device__ __forceinline__ bool ntx_norm_in_regs(int k) { return k <= NTX_NORM_REGS * (int)blockDim.x; }
+
+// The thread's norm weights (wv[j]: element threadIdx.x + j * blockDim.x) for the register path:
+// a model constant, so a kernel may load them before its PDL wait.
+__device__ __forceinline__ void ntx_norm_weights(const float* __restrict__ w, int k, float* wv) {
+#pragma unroll
+    for (int j = 0; j < NTX_NORM_REGS; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < k) wv[j] = w[i];
+    }
+}
+
+// ntx_add_rmsnorm_row's register path (ntx_norm_in_regs(k)), which also leaves the thread's
+// outputs in o (o[j]: element threadIdx.x + j * blockDim.x, where it exists). wpre: the weights
+// already in registers (ntx_norm_weights), or null to load them here.
 __device__ __forceinline__ void ntx_add_rmsnorm_regs(const float* __restrict__ xr, const float* __restrict__ dr,
                                                      float* __restrict__ s_out, const float* __restrict__ w,
                                                      float* __restrict__ outr, int k, float eps, double* part,
-                                                     float* o) {
+                                                     float* o, const float* wpre = nullptr) {
     const int bd = blockDim.x;
     float v[NTX_NORM_REGS], wv[NTX_NORM_REGS];
 #pragma unroll
@@ -44,7 +58,7 @@ __device__ __forceinline__ void ntx_add_rmsnorm_regs(const float* __restrict__ x
         const int i = threadIdx.x + j * bd;
         if (i < k) {
             v[j] = dr != nullptr ? __fadd_rn(xr[i], dr[i]) : xr[i];
-            wv[j] = w[i];
+            wv[j] = wpre != nullptr ? wpre[j] : w[i];
         }
     }
     double s = 0.0;
@@ -63,14 +77,16 @@ __device__ __forceinline__ void ntx_add_rmsnorm_regs(const float* __restrict__ x
     }
 }
 
-// s = x + d (d null: s = x; s_out null: not stored), out = rmsnorm(s) * w.
+// s = x + d (d null: s = x; s_out null: not stored), out = rmsnorm(s) * w. wpre: as
+// ntx_add_rmsnorm_regs's (used on the register path only).
 __device__ __forceinline__ void ntx_add_rmsnorm_row(const float* __restrict__ xr, const float* __restrict__ dr,
                                                     float* __restrict__ s_out, const float* __restrict__ w,
-                                                    float* __restrict__ outr, int k, float eps, double* part) {
+                                                    float* __restrict__ outr, int k, float eps, double* part,
+                                                    const float* wpre = nullptr) {
     const int bd = blockDim.x;
-    if (k <= NTX_NORM_REGS * bd) {
+    if (ntx_norm_in_regs(k)) {
         float o[NTX_NORM_REGS];
-        ntx_add_rmsnorm_regs(xr, dr, s_out, w, outr, k, eps, part, o);
+        ntx_add_rmsnorm_regs(xr, dr, s_out, w, outr, k, eps, part, o, wpre);
         return;
     }
     double s = 0.0;  // longer rows: the same sums, element by element

@@ -317,3 +317,15 @@ def test_grid_attention_loads_kv_before_the_pdl_wait(monkeypatch, pre):
     body = body[: body.index("\n}\n")]
     before = body[: body.index("griddepcontrol.wait")].count("ld.global")
     assert (before >= 8) if pre else (before == 0), f"{before} global loads before the wait"
+
+
+@pytest.mark.parametrize("pre", [1, 0])
+def test_fused_norm_loads_its_weights_before_the_pdl_wait(monkeypatch, pre):
+    """NTX_NORM_PRE_WAIT (fused.cu, default 1): add_rmsnorm_quanti loads its norm weights before
+    its PDL wait (and nothing with 0)."""
+    monkeypatch.setenv("NTX_CUDA_DEFINES", f"-DNTX_NORM_PRE_WAIT={pre}")
+    ptx = _ptx("fused.cu")
+    body = ptx[ptx.index(".entry add_rmsnorm_quanti("):]
+    body = body[: body.index("\n}\n")]
+    before = body[: body.index("griddepcontrol.wait")].count("ld.global")
+    assert (before >= 8) if pre else (before == 0), f"{before} global loads before the wait"

@@ -35,6 +35,7 @@ def test_bench_variants():
         == ("grid", ("-DNTX_PRE_WAIT=0", "-DNTX_SWIGLU_PAIR=0"))
     assert be.parse_variant("fast/grid/pdl/fuse/noq6pair")[-1] == ("-DNTX_Q6_PAIR=0",)
     assert be.parse_variant("fast/grid/pdl/fuse/noagpre")[-1] == ("-DNTX_AG_PRE_WAIT=0",)
+    assert be.parse_variant("fast/grid/pdl/fuse/nonormpre")[-1] == ("-DNTX_NORM_PRE_WAIT=0",)
     for bad in ("fast/split/turbo", "fast/split/async=4", "fast/split/preload", "fast/flash/pdl", "fast/grid/unroll",
                 "fast/grid/q4pair"):
         with pytest.raises(argparse.ArgumentTypeError):

@@ -2,7 +2,8 @@
 group of each warp's row loaded before the PDL wait (NTX_PRE_WAIT, default 1) and the decode
 gate/up kernel streaming both rows side by side (NTX_SWIGLU_PAIR, default 1), and the grid
 attention's first K/V loads before its PDL wait (NTX_AG_PRE_WAIT, default 1; the tiny and the
-CASES models decode through the grid kernel). Each adds the same terms in the same order, so
+CASES models decode through the grid kernel), and the fused norm's weights loaded before its PDL
+wait (NTX_NORM_PRE_WAIT, default 1). Each adds the same terms in the same order, so
 matvec outputs and whole-model logits must be equal bit for bit; the matvecs are also held to the
 numpy backend (the oracle)."""
 
@@ -50,7 +51,7 @@ CASES = [("tiny", "q8_0", 4), ("tiny", "q4_k_m", 4), ("small", "q4_k_m", 2)]
 
 
 @pytest.mark.parametrize("defines", ["-DNTX_PRE_WAIT=0", "-DNTX_SWIGLU_PAIR=0", "-DNTX_PRE_WAIT=0 -DNTX_SWIGLU_PAIR=0",
-                                     "-DNTX_AG_PRE_WAIT=0"])
+                                     "-DNTX_AG_PRE_WAIT=0", "-DNTX_NORM_PRE_WAIT=0"])
 @pytest.mark.parametrize("shape,mix,layers", CASES, ids=[f"{s}-{m}" for s, m, _ in CASES])
 def test_default_logits_equal_the_builds_without(cuda_backend, synth, monkeypatch, tmp_path, shape, mix, layers,
                                                  defines):
