@@ -307,25 +307,19 @@ def test_decode_variants_compile_clean_without_spills(monkeypatch, defines):
     assert cuda_nvrtc.compile_cubin("matvec_fast.cu", "sm_90")[0] != default_cubin, f"{defines} changed nothing"
 
 
-@pytest.mark.parametrize("pre", [1, 0])
-def test_grid_attention_loads_kv_before_the_pdl_wait(monkeypatch, pre):
-    """NTX_AG_PRE_WAIT (attn_grid.cu, default 1): the grid attention's first K/V loads come before
-    its PDL wait (and none with 0: every load after it)."""
-    monkeypatch.setenv("NTX_CUDA_DEFINES", f"-DNTX_AG_PRE_WAIT={pre}")
-    ptx = _ptx("attn_grid.cu")
-    body = ptx[ptx.index(".entry attn_grid_4_g4("):]
-    body = body[: body.index("\n}\n")]
-    before = body[: body.index("griddepcontrol.wait")].count("ld.global")
-    assert (before >= 8) if pre else (before == 0), f"{before} global loads before the wait"
+# (macro, source, kernel): loads a latency-bound kernel issues before its PDL wait, default 1
+PRE_WAIT_LOADS = [("NTX_AG_PRE_WAIT", "attn_grid.cu", "attn_grid_4_g4"),  # the first K/V cache rows
+                  ("NTX_NORM_PRE_WAIT", "fused.cu", "add_rmsnorm_quanti")]  # the norm weights
 
 
 @pytest.mark.parametrize("pre", [1, 0])
-def test_fused_norm_loads_its_weights_before_the_pdl_wait(monkeypatch, pre):
-    """NTX_NORM_PRE_WAIT (fused.cu, default 1): add_rmsnorm_quanti loads its norm weights before
-    its PDL wait (and nothing with 0)."""
-    monkeypatch.setenv("NTX_CUDA_DEFINES", f"-DNTX_NORM_PRE_WAIT={pre}")
-    ptx = _ptx("fused.cu")
-    body = ptx[ptx.index(".entry add_rmsnorm_quanti("):]
+@pytest.mark.parametrize("macro,source,kernel", PRE_WAIT_LOADS, ids=[m for m, *_ in PRE_WAIT_LOADS])
+def test_latency_bound_kernels_load_before_the_pdl_wait(monkeypatch, macro, source, kernel, pre):
+    """With the macro at 1 (its default) the kernel's PTX has its independent loads (at least one
+    a register of NTX_NORM_REGS / the first K/V pass) before griddepcontrol.wait; with 0 none."""
+    monkeypatch.setenv("NTX_CUDA_DEFINES", f"-D{macro}={pre}")
+    ptx = _ptx(source)
+    body = ptx[ptx.index(f".entry {kernel}("):]
     body = body[: body.index("\n}\n")]
     before = body[: body.index("griddepcontrol.wait")].count("ld.global")
-    assert (before >= 8) if pre else (before == 0), f"{before} global loads before the wait"
+    assert (before >= 8) if pre else (before == 0), f"{kernel}: {before} global loads before the wait"
