@@ -38,11 +38,13 @@
 #define AG_NBMAX 32     // blocks a KV head: one lane each in the statistics
 #define AG_VP 16        // V words a thread loads at once
 #define AG_DEADLINE_NS 2000000000ull
-// NTX_AG_PRE_WAIT (default 1; 0 turns it off): a block issues its first K and V loads before the
-// PDL wait. The cache rows of the earlier positions and the position itself (pos, uploaded before
-// the launch) never come from the kernel before (q/k/v's matvec), so their HBM round trip
-// overlaps that kernel's tail; the new position's row, which this kernel stores, is read from
-// shared memory as before. The same values in the same order either way.
+// NTX_AG_PRE_WAIT (default 1; 0 turns it off): with the RoPE fused (the kernel stores the new
+// position's K/V row itself), a block issues its first K and V loads before the PDL wait. The
+// cache rows of the earlier positions and the position itself (pos, uploaded before the launch)
+// never come from the kernel before (q/k/v's matvec), so their HBM round trip overlaps that
+// kernel's tail; the new position's row is read from shared memory as before. Without the fused
+// RoPE the kernel before (kv_store or rope_kv) writes the new row, so the wait comes first. The
+// same values in the same order either way.
 #ifndef NTX_AG_PRE_WAIT
 #define NTX_AG_PRE_WAIT 1
 #endif
@@ -195,7 +197,8 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
     __shared__ double gs[AG_GMAX];
     __shared__ bool last;
     __shared__ __align__(16) uint16_t knew[32 * 8], vnew[32 * 8];  // the new position's K and V rows (fp16)
-    if (!NTX_AG_PRE_WAIT) NTX_PDL();
+    const bool pre = NTX_AG_PRE_WAIT && ri.k != nullptr;  // the same in every block
+    if (!pre) NTX_PDL();
     const int G = GC ? GC : n_head / n_kv, c = blockIdx.x, kvh = blockIdx.y, h0 = kvh * G, T = pos[0] + 1;
     // positions a block: at least minr (<= rmax), so short contexts use fewer blocks
     const int R = max((T + nb - 1) / nb, minr), nact = (T + R - 1) / R;
@@ -211,7 +214,7 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
     v_words<PG>(vc, col, kv_dim, p0, p1, dt, pg, vw);
     float kf[KP][V];
     k_rows<V, KP>(kc, col, kv_dim, p0, p1, kf);
-    if (NTX_AG_PRE_WAIT) NTX_PDL();  // q, k and v of the token come from the kernel before
+    if (pre) NTX_PDL();  // q, k and v of the token come from the kernel before
     if (ri.k == nullptr) {
         for (int i = threadIdx.x; i < G * hd; i += AG_THREADS) qa[i] = ntx_round_f16(q[(size_t)h0 * hd + i]);
     } else {
