@@ -49,12 +49,6 @@
 #define NTX_AG_PRE_WAIT 1
 #endif
 
-__device__ __forceinline__ unsigned int ld_acquire(const unsigned int* p) {
-    unsigned int v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
 // Arrive at *ctr and wait until `target` blocks have: the block's global writes before it are
 // visible to the group's blocks after it (the release add publishes what the block barrier
 // ordered before thread 0's arrival; the acquire load orders the reads after it).

@@ -37,10 +37,10 @@ __device__ __forceinline__ void read_rows(const uint4* __restrict__ w, int rows,
     if (lane == 0) out[row] = acc;
 }
 
+// The thread's share of a flat grid-stride read of `chunks` 16-byte chunks, XORed into acc.
 template <int U>
-__device__ __forceinline__ void read_flat(const uint4* __restrict__ w, int chunks, uint32_t* out) {
+__device__ __forceinline__ uint32_t read_flat_part(const uint4* __restrict__ w, int chunks, uint32_t acc) {
     const size_t stride = (size_t)gridDim.x * blockDim.x;
-    uint32_t acc = 0;
     for (size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x; c < (size_t)chunks; c += stride * U) {
         uint4 v[U];
 #pragma unroll
@@ -50,8 +50,18 @@ __device__ __forceinline__ void read_flat(const uint4* __restrict__ w, int chunk
 #pragma unroll
         for (int u = 0; u < U; ++u) acc ^= xor4(v[u]);
     }
+    return acc;
+}
+
+// One word a warp, so the loads cannot be dropped.
+__device__ __forceinline__ void keep(uint32_t acc, uint32_t* out) {
     acc = warp_xor(acc);
     if ((threadIdx.x & 31) == 0) out[(blockIdx.x * blockDim.x + threadIdx.x) >> 5] = acc;
+}
+
+template <int U>
+__device__ __forceinline__ void read_flat(const uint4* __restrict__ w, int chunks, uint32_t* out) {
+    keep(read_flat_part<U>(w, chunks, 0u), out);
 }
 
 #define NTX_READ(U)                                                                                       \
@@ -79,17 +89,16 @@ NTX_READ(8)
 __device__ void grid_sync(unsigned int* bar, unsigned int nblocks) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        unsigned int gen, old;
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(gen) : "l"(bar + 1) : "memory");
+        const unsigned int gen = ld_acquire(bar + 1);
+        unsigned int old;
         asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(bar) : "memory");
         if (old == nblocks - 1) {
             bar[0] = 0u;
             asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(bar + 1), "r"(gen + 1u) : "memory");
         } else {
             const unsigned long long t0 = global_ns();
-            for (unsigned int now = gen; now == gen;) {
+            while (ld_acquire(bar + 1) == gen) {
                 __nanosleep(32);
-                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar + 1) : "memory");
                 if (global_ns() - t0 > RC_DEADLINE_NS) __trap();
             }
         }
@@ -103,21 +112,11 @@ extern "C" __global__ void __launch_bounds__(256) read_chain(const uint4* w0, in
     NTX_PDL();
     const uint4* w[4] = {w0, w1, w2, w3};
     const int n[4] = {n0, n1, n2, n3};
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
     uint32_t acc = 0;
     for (int m = 0; m < 4; ++m) {
         if (n[m] <= 0) break;
         if (m > 0 && barriers) grid_sync(bar, gridDim.x);
-        for (size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x; c < (size_t)n[m]; c += stride * 4) {
-            uint4 v[4];
-#pragma unroll
-            for (int u = 0; u < 4; ++u)
-                if (c + stride * u < (size_t)n[m]) v[u] = __ldcs(w[m] + c + stride * u);
-                else v[u] = make_uint4(0, 0, 0, 0);
-#pragma unroll
-            for (int u = 0; u < 4; ++u) acc ^= xor4(v[u]);
-        }
+        acc = read_flat_part<4>(w[m], n[m], acc);
     }
-    acc = warp_xor(acc);
-    if ((threadIdx.x & 31) == 0) out[(blockIdx.x * blockDim.x + threadIdx.x) >> 5] = acc;
+    keep(acc, out);
 }
