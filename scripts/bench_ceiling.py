@@ -25,6 +25,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_cuda import FLAT_BLOCKS_PER_SM, FLAT_THREADS, ceiling_kernels, graph_us, read_ceiling_table  # noqa: E402
+
 # bytes of one layer's matrices in decode order (make_synthetic_model's llama3-8b mixes: q4_k_m has
 # Q4_K q/k/o/gate/up and Q6_K v/down; rows of 4096 values: Q4_K 2304 bytes, Q6_K 3360, Q8_0 4352;
 # the down rows of 14336 values: Q6_K 11760, Q8_0 15232)
@@ -33,7 +35,6 @@ LAYERS = {
                ("gate+up", 2 * 14336 * 2304), ("down", 4096 * 11760)),
     "Q8_0": (("qkv", 6144 * 4352), ("o", 4096 * 4352), ("gate+up", 2 * 14336 * 4352), ("down", 4096 * 15232)),
 }
-THREADS = 256  # read_flat / read_chain blocks
 
 
 def chain_blocks(k, device) -> int:
@@ -41,24 +42,18 @@ def chain_blocks(k, device) -> int:
     from ntx_engine.backends.cuda_driver import check, driver
 
     per_sm = check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(k.fn("read_ceiling.cu", "read_chain"),
-                                                                        THREADS, 0), "cuOccupancyMaxActiveBlocks")
+                                                                        FLAT_THREADS, 0), "cuOccupancyMaxActiveBlocks")
     return device.sm_count * int(per_sm)
 
 
 def layer_ceiling_table(backend, l2_bytes: int = 160 << 20) -> list[dict]:
     """µs a layer (and TB/s) of each way of reading it, for each mix of LAYERS."""
-    from bench_cuda import graph_us
+    from ntx_engine.backends.cuda_driver import DeviceArray, upload
 
-    from ntx_engine.backends import cuda_nvrtc
-    from ntx_engine.backends.cuda_driver import DeviceArray, Module, upload
-
-    b, k, out = backend, backend.k, []
-    if "read_ceiling.cu" not in k.modules:
-        k.modules["read_ceiling.cu"] = Module(cuda_nvrtc.cached_cubin("read_ceiling.cu", b.device.arch),
-                                              "read_ceiling.cu")
+    b, k, out = backend, ceiling_kernels(backend), []
     nblk = chain_blocks(k, b.device)
-    flat = b.device.sm_count * 8
-    sink = DeviceArray(b.pool, (max(nblk, flat) * THREADS // 32,), np.uint32)
+    flat = b.device.sm_count * FLAT_BLOCKS_PER_SM
+    sink = DeviceArray(b.pool, (max(nblk, flat) * FLAT_THREADS // 32,), np.uint32)
     bar = upload(b.pool, np.zeros(2, np.uint32), b.stream)
     for mix, mats in LAYERS.items():
         total = sum(n for _, n in mats)
@@ -66,10 +61,10 @@ def layer_ceiling_table(backend, l2_bytes: int = 160 << 20) -> list[dict]:
 
         def chain(bufs, barriers):
             args = [a for w, (_, n) in zip(bufs, mats) for a in (w, n // 16)]
-            return lambda: k._go("read_ceiling.cu", "read_chain", (nblk,), (THREADS,),
+            return lambda: k._go("read_ceiling.cu", "read_chain", (nblk,), (FLAT_THREADS,),
                                  (*args, int(barriers), bar, sink), b.stream)
 
-        launches = [lambda w=w, n=n: k._go("read_ceiling.cu", "read_flat_u4", (flat,), (THREADS,),
+        launches = [lambda w=w, n=n: k._go("read_ceiling.cu", "read_flat_u4", (flat,), (FLAT_THREADS,),
                                            (w, n // 16, sink), b.stream)
                     for bufs in copies * 4 for w, (_, n) in zip(bufs, mats)]
         row = {"mix": mix, "layer_mb": round(total / 1e6, 1), "matrices_mb": {m: round(n / 1e6, 1) for m, n in mats},
@@ -89,14 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--matrices", action="store_true", help="also bench_cuda.read_ceiling_table (each matrix alone)")
     a = ap.parse_args(argv)
-    import bench_cuda
-
     from ntx_engine.backends.cuda_backend import CudaBackend
 
     b = CudaBackend()
     res = {"device": b.device.name, "layers": layer_ceiling_table(b)}
     if a.matrices:
-        res["matrices"] = bench_cuda.read_ceiling_table(b)
+        res["matrices"] = read_ceiling_table(b)
     if a.json:
         a.json.write_text(json.dumps(res, indent=1) + "\n")
     for r in res["layers"]:

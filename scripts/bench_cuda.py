@@ -165,24 +165,35 @@ def kernel_table(backend, l2_bytes: int = 160 << 20) -> list[dict]:
     return out
 
 
+FLAT_BLOCKS_PER_SM, FLAT_THREADS = 8, 256  # read_ceiling.cu's flat grid (read_flat_uU, read_chain)
+
+
+def ceiling_kernels(backend):
+    """The backend's Kernels with native/cuda/read_ceiling.cu loaded (not among the engine's SOURCES)."""
+    from ntx_engine.backends import cuda_nvrtc
+    from ntx_engine.backends.cuda_driver import Module
+
+    k = backend.k
+    if "read_ceiling.cu" not in k.modules:
+        k.modules["read_ceiling.cu"] = Module(cuda_nvrtc.cached_cubin("read_ceiling.cu", backend.device.arch),
+                                              "read_ceiling.cu")
+    return k
+
+
 def read_ceiling_table(backend, l2_bytes: int = 160 << 20) -> list[dict]:
     """The streaming-read ceiling of the decode matrices' byte counts (native/cuda/read_ceiling.cu:
     loads and an XOR, nothing else), each buffer rotated over copies that exceed the L2 cache and
     launched back to back in a graph as a decode step launches its matvecs. Layouts: one warp a row
     (the dp4a kernels' layout) with U 16-byte loads in flight a lane, and a flat grid of
-    sm_count x 8 blocks of 256 threads striding over the buffer."""
-    from ntx_engine.backends import cuda_nvrtc
-    from ntx_engine.backends.cuda_driver import DeviceArray, Module
+    sm_count x FLAT_BLOCKS_PER_SM blocks of FLAT_THREADS threads striding over the buffer."""
+    from ntx_engine.backends.cuda_driver import DeviceArray
 
-    b, k, out = backend, backend.k, []
-    if "read_ceiling.cu" not in k.modules:
-        k.modules["read_ceiling.cu"] = Module(cuda_nvrtc.cached_cubin("read_ceiling.cu", b.device.arch),
-                                              "read_ceiling.cu")
+    b, k, out = backend, ceiling_kernels(backend), []
     shapes = (("Q4_K 4096x4096 (q, o)", 4096, 2304), ("Q4_K 14336x4096 (gate)", 14336, 2304),
               ("Q4_K 28672x4096 (gate+up)", 28672, 2304), ("Q6_K 4096x14336 (down)", 4096, 11760),
               ("Q8_0 6144x4096 (qkv)", 6144, 4352), ("Q8_0 28672x4096 (gate+up)", 28672, 4352),
               ("Q8_0 4096x14336 (down)", 4096, 15232), ("Q6_K 128256x4096 (output)", 128256, 3360))
-    flat_blocks = b.device.sm_count * 8
+    flat_blocks = b.device.sm_count * FLAT_BLOCKS_PER_SM
     sink = DeviceArray(b.pool, (max(128256, flat_blocks * 8),), np.uint32)
     for name, rows, row_bytes in shapes:
         nbytes = rows * row_bytes
@@ -193,7 +204,7 @@ def read_ceiling_table(backend, l2_bytes: int = 160 << 20) -> list[dict]:
                                           (w, rows, row_bytes // 16, sink), b.stream) for w in bufs * 4]
             us = graph_us(b, fns)
             row[f"rows_u{u}_us"], row[f"rows_u{u}_tb_s"] = round(us, 2), round(nbytes / us / 1e6, 2)
-        fns = [lambda w=w: k._go("read_ceiling.cu", "read_flat_u4", (flat_blocks,), (256,),
+        fns = [lambda w=w: k._go("read_ceiling.cu", "read_flat_u4", (flat_blocks,), (FLAT_THREADS,),
                                  (w, nbytes // 16, sink), b.stream) for w in bufs * 4]
         us = graph_us(b, fns)
         row["flat_u4_us"], row["flat_u4_tb_s"] = round(us, 2), round(nbytes / us / 1e6, 2)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-# variant flags that switch a default of the dp4a kernels off (the macro, set to 0)
+# variant flags that switch a default of the decode kernels off (the macro, set to 0)
 OFF_MACROS = {"noprewait": "-DNTX_PRE_WAIT=", "nopair": "-DNTX_SWIGLU_PAIR=", "noq6pair": "-DNTX_Q6_PAIR=",
               "noagpre": "-DNTX_AG_PRE_WAIT=", "nonormpre": "-DNTX_NORM_PRE_WAIT="}
 
