@@ -6,7 +6,7 @@ JSON out and a short table last (the form the lent-GPU runs record in docs/bench
     python scripts/bench_engine.py --synthetic llama3-8b:q4_k_m llama3-8b:q8_0 \\
         --variant fast/split/pdl fast/split staged/single --json out.json
 
-A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre]: MATVEC
+A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg]: MATVEC
 fast|staged|direct, ATTN grid|split|single, pdl = Hopper programmatic dependent launch, fuse = the fused kernels
 (all, or the named ones of cuda_backend.FUSIONS: qkv, ffn, rope, norm, attn; without it, none), mmq = prefill matmuls
 on the int8 tensor cores (mmq.cu), gemm / nogemm = prefill matmuls as fp16 cuBLAS GEMMs (dequant.cu) or not
@@ -14,7 +14,9 @@ on the int8 tensor cores (mmq.cu), gemm / nogemm = prefill matmuls as fp16 cuBLA
 (-DNTX_PRE_WAIT=0, matvec_fast.cuh), nopair = the decode gate/up kernel streams its two rows one after the other
 (-DNTX_SWIGLU_PAIR=0, fused.cu), noq6pair = the Q6_K dp4a decode one unit a lane (-DNTX_Q6_PAIR=0,
 matvec_fast.cuh), noagpre = the grid attention issues its first K/V loads after the PDL wait (-DNTX_AG_PRE_WAIT=0,
-attn_grid.cu), nonormpre = the fused norm loads its weights after the PDL wait (-DNTX_NORM_PRE_WAIT=0, fused.cu).
+attn_grid.cu), nonormpre = the fused norm loads its weights after the PDL wait (-DNTX_NORM_PRE_WAIT=0, fused.cu),
+noreg = one-token Q4_K products on the one-warp-a-row dp4a kernels instead of matvec_reg.cu's register-activation
+teams (-DNTX_REG=0, read by cuda_kernels.reg_enabled).
 --prefill-chunk: tokens per prefill pass. Each (model, variant) is
 bench_cuda.run (its docstring says how bytes per token and the bound are counted).
 --kernels adds bench_cuda.kernel_table: each decode kernel's own GPU time at 8B shapes.
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # variant flags that switch a default of the decode kernels off (the macro, set to 0)
 OFF_MACROS = {"noprewait": "-DNTX_PRE_WAIT=", "nopair": "-DNTX_SWIGLU_PAIR=", "noq6pair": "-DNTX_Q6_PAIR=",
-              "noagpre": "-DNTX_AG_PRE_WAIT=", "nonormpre": "-DNTX_NORM_PRE_WAIT="}
+              "noagpre": "-DNTX_AG_PRE_WAIT=", "nonormpre": "-DNTX_NORM_PRE_WAIT=", "noreg": "-DNTX_REG="}
 
 
 def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None, tuple[str, ...]]:
@@ -46,7 +48,7 @@ def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None, tup
     if len(parts) < 2 or parts[0] not in ("fast", "staged", "direct") or parts[1] not in ("grid", "split", "single") \
             or not flags <= {"pdl", "mmq", "gemm", "nogemm", *OFF_MACROS}:
         raise argparse.ArgumentTypeError(f"variant {text!r}: expected MATVEC/ATTN[/pdl][/fuse[=A+B]][/mmq][/gemm|/nogemm]"
-                                         "[/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre], e.g. fast/grid/pdl/fuse")
+                                         "[/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg], e.g. fast/grid/pdl/fuse")
     gemm = "1" if "gemm" in flags else "0" if "nogemm" in flags else None
     defines = tuple(f"{m}0" for f, m in OFF_MACROS.items() if f in flags)
     return parts[0], parts[1], "pdl" in flags, fuse, "mmq" in flags, gemm, defines

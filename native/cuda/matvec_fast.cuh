@@ -8,6 +8,7 @@
 #include "rmsnorm.cuh"
 #include "warp.cuh"
 #include "fast_units.cuh"
+#include "matvec_reg.cuh"
 
 // Launch shape (overridable for tuning runs, cuda_nvrtc.TUNABLE): rows (warps) per block and the
 // minimum resident blocks per SM of the n1 kernels (caps their registers); blocks per group and
@@ -46,6 +47,12 @@ constexpr bool fast_pair_order<FastQ6_KFused>() { return true; }
 #else
 #define NTX_Q6_ANY FastQ6_K
 #endif
+
+// Q4_K rows take matvec_reg.cuh's decode order where q4k_reg_order(k) (fast_row, fast_row_start, fast_row_pair).
+template <class F>
+constexpr bool fast_q4k() { return false; }
+template <>
+constexpr bool fast_q4k<FastQ4_K>() { return true; }
 
 template <class F>
 struct FastGroup {
@@ -210,6 +217,13 @@ __device__ __forceinline__ void fast_row_start(const uint8_t* __restrict__ W, in
     static_assert(FastGroup<F>::CH <= NTX_CH_MAX, "NTX_CH_MAX too small");
     const int row_bytes = k / F::B::QK * F::B::BYTES, lane = threadIdx.x & 31;
     const uint8_t* wrow = W + (size_t)row * row_bytes;
+    if constexpr (fast_q4k<F>()) {
+        if (q4k_reg_order(k)) {  // q4k_row_n's first pass
+            static_assert(sizeof(Q4KW) <= NTX_PRE_SLOTS * sizeof(uint4), "a Q4_K pass fits the preload");
+            q4k_row_load<1>(wrow, 0, k / 256, lane, reinterpret_cast<Q4KW*>(r));
+            return;
+        }
+    }
     load_group<F>(r, wrow, min(FastGroup<F>::BYTES, row_bytes), lane);
     if (NTX_PRE_WAIT > 1 && FastGroup<F>::BYTES < row_bytes)
         load_group<F>(r + NTX_CH_MAX, wrow + FastGroup<F>::BYTES, min(FastGroup<F>::BYTES, row_bytes - FastGroup<F>::BYTES),
@@ -237,6 +251,12 @@ template <class F, int N, bool PRE = false>
 __device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row, const int8_t* __restrict__ xq,
                                          const float* __restrict__ xd, const float* __restrict__ xs,
                                          uint8_t* st, int k, int n, float* acc, const uint4* pre = nullptr) {
+    if constexpr (fast_q4k<F>()) {
+        if (q4k_reg_order(k)) {  // Q4_K rows in matvec_reg.cu's order (its one-row bits)
+            q4k_row_n<N>(W, row, xq, xd, xs, k, n, acc, PRE ? reinterpret_cast<const Q4KW*>(pre) : nullptr);
+            return;
+        }
+    }
     const int lane = threadIdx.x & 31;
     const int nb = k / F::B::QK, row_bytes = nb * F::B::BYTES, k32 = k / 32;
     const uint8_t* wrow = W + (size_t)row * row_bytes;
@@ -294,6 +314,15 @@ __device__ __forceinline__ void fast_row_pair(const uint8_t* __restrict__ Wa, co
                                               int row, const int8_t* __restrict__ xq, const float* __restrict__ xd,
                                               const float* __restrict__ xs, uint8_t* st, int k, float* a,
                                               float* b, const uint4* pre) {
+    if constexpr (fast_q4k<F>()) {
+        if (q4k_reg_order(k)) {  // one row after the other, each as fast_row gives it
+            const Q4KW* pa = NTX_PRE_WAIT > 0 ? reinterpret_cast<const Q4KW*>(pre) : nullptr;
+            const Q4KW* pb = NTX_PRE_WAIT > 0 ? reinterpret_cast<const Q4KW*>(pre + NTX_PRE_SLOTS) : nullptr;
+            q4k_row_n<1>(Wa, row, xq, xd, xs, k, 1, a, pa);
+            q4k_row_n<1>(Wb, row, xq, xd, xs, k, 1, b, pb);
+            return;
+        }
+    }
     typedef FastGroup<F> Grp;
     const int lane = threadIdx.x & 31, nb = k / F::B::QK, row_bytes = nb * F::B::BYTES;
     const uint8_t* ra = Wa + (size_t)row * row_bytes;

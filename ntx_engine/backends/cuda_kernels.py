@@ -62,6 +62,27 @@ def fast_rows() -> int:
     return FAST_ROWS_PER_BLOCK
 
 
+REG_WARPS = 8  # NTX_REG_WARPS in matvec_reg.cuh: warps a block of the register-activation kernels
+
+
+def reg_shape(t: GGMLType, k: int, n: int) -> tuple[int, int] | None:
+    """(passes a warp PPW, warps a row WK) of matvec_reg.cu for n activation rows of k values
+    (reg_ppw / reg_wk there), or None when its kernels do not take the product: they take one
+    row of Q4_K weights (the types and widths the decode of Q4_K_M models streams) and rows of
+    at most 16 passes of 2048 values."""
+    if n != 1 or t != GGMLType.Q4_K or k % 256 or not reg_enabled():
+        return None
+    p = _cdiv(k // 256, 8)
+    ppw = 2 if p <= 2 or p > 8 else 1
+    wk = _cdiv(p, ppw)
+    return (ppw, wk) if wk <= REG_WARPS else None
+
+
+def reg_enabled() -> bool:
+    """Whether Q4_K decode takes matvec_reg.cu (NTX_CUDA_DEFINES without -DNTX_REG=0, as fast_rows reads it)."""
+    return "-DNTX_REG=0" not in os.environ.get("NTX_CUDA_DEFINES", "").split()
+
+
 def gqa_split_ok(n_head: int, n_kv: int, head_dim: int) -> bool:
     """Whether the attn_gqa_* decode kernels take this head layout (else the one-block kernel)."""
     g = n_head // n_kv
@@ -129,6 +150,7 @@ class Kernels:
         self.modules = {src: Module(cuda_nvrtc.cached_cubin(src, device.arch, cache_dir), src)
                         for src in cuda_nvrtc.SOURCES}
         self._smem_limits: dict[tuple[str, str], int] = {}  # dynamic shared memory allowed so far
+        self._reg_per_sm: dict[tuple[str, int], int] = {}  # matvec_reg.cu's resident blocks an SM, by (kernel, block)
         self.fast_rows = fast_rows()
         self.grid_fixed = grid_fixed_setting()  # read once: the grid attention launches every layer
 
@@ -160,6 +182,10 @@ class Kernels:
     def matvec_fast(self, t: GGMLType, w: DeviceArray, xq: DeviceArray, xd: DeviceArray, xs: DeviceArray,
                     y: DeviceArray, rows: int, k: int, n: int, stream: Stream) -> None:
         """y (n, rows) = dequant(xq, xd) . w^T with dp4a; n <= MATVEC_MAX_TOKENS; see fast_matvec_ok."""
+        shape = reg_shape(t, k, n)
+        if shape is not None:
+            self._reg_go(f"matvecr_q4_k_p{shape[0]}", shape[1], rows, (w, xq, xd, xs, y, rows, k), stream)
+            return
         variant = "n1" if n == 1 else "n8"
         self._go("matvec_fast.cu", f"matvecf_{FAST_TYPES[t]}_{variant}", (_cdiv(rows, self.fast_rows),),
                  (32 * self.fast_rows,), (w, xq, xd, xs, y, rows, k, n), stream)
@@ -194,6 +220,12 @@ class Kernels:
         data = [w[0] for w in ws] + [None] * pad
         codes = [FAST_CODES[w[1]] for w in ws] + [0] * pad
         rows = [w[2] for w in ws] + [0] * pad
+        shapes = [reg_shape(w[1], k, n) for w in ws]
+        shape = next((s for s in shapes if s is not None), None)
+        if shape is not None:  # the Q4_K weights' rows by teams, the others' as matvecf_multi's warps do
+            self._reg_go(f"matvecr_multi_p{shape[0]}", shape[1], sum(rows),
+                         (*data, *(list(ys) + [None] * pad), *rows, *codes, xq, xd, xs, k), stream)
+            return
         grid = (_cdiv(sum(rows), self.fast_rows),)
         self._go("fused.cu", f"matvecf_multi_{'n1' if n == 1 else 'n8'}", grid, (32 * self.fast_rows,),
                  (*data, *(list(ys) + [None] * pad), *rows, *codes, xq, xd, xs, k, n), stream)
@@ -201,7 +233,12 @@ class Kernels:
     def matvec_swiglu(self, wg: DeviceArray, tg: GGMLType, wu: DeviceArray, tu: GGMLType, xq: DeviceArray,
                       xd: DeviceArray, xs: DeviceArray, y: DeviceArray, rows: int, k: int, n: int,
                       stream: Stream) -> None:
-        """y (n, rows) = swiglu(x . wg^T, x . wu^T) in one kernel (fused.cu's matvecf_swiglu)."""
+        """y (n, rows) = swiglu(x . wg^T, x . wu^T) in one kernel (fused.cu's matvecf_swiglu, or
+        matvec_reg.cu's for one row of Q4_K weights; swiglu_fusable says when one kernel may)."""
+        shape = reg_shape(tg, k, n)
+        if shape is not None and tg == tu:
+            self._reg_go(f"matvecr_swiglu_q4_k_p{shape[0]}", shape[1], rows, (wg, wu, xq, xd, xs, y, rows, k), stream)
+            return
         self._go("fused.cu", f"matvecf_swiglu_{'n1' if n == 1 else 'n8'}", (_cdiv(rows, self.fast_rows),),
                  (32 * self.fast_rows,), (wg, wu, FAST_CODES[tg], FAST_CODES[tu], xq, xd, xs, y, rows, k, n),
                  stream)
@@ -352,6 +389,25 @@ class Kernels:
         self._go("attn_grid.cu", name, (nb, n_kv), (ATTN_SPLIT_THREADS,),
                  (q, kc, vc, out, pos, n_head, n_kv, nb, rmax, minr, float(scale), cmax, psum, part, counters, xq, xd,
                   xs, int(qmode), rk, rv, ff, int(rope_dim), float(rscale), float(freq_scale), int(neox)), stream, smem)
+
+    def _reg_go(self, name: str, wk: int, rows: int, args: tuple, stream: Stream) -> None:
+        """A matvec_reg.cu launch: WK x (8 / WK) warps a block, as many blocks as are resident at
+        once (the occupancy calculator's count for every SM) and no more than have rows."""
+        teams = REG_WARPS // wk
+        block = 32 * wk * teams
+        per_sm = self._reg_per_sm.get((name, block))
+        if per_sm is None:
+            per_sm = max(1, int(check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                self.fn("matvec_reg.cu", name), block, 0), f"cuOccupancyMaxActiveBlocksPerMultiprocessor({name})")))
+            self._reg_per_sm[(name, block)] = per_sm
+        grid = max(1, min(self.device.sm_count * per_sm, _cdiv(rows, teams)))
+        self._go("matvec_reg.cu", name, (grid,), (block,), args, stream)
+
+    @staticmethod
+    def swiglu_fusable(tg: GGMLType, tu: GGMLType, k: int, n: int) -> bool:
+        """Whether gate and up may run as one matvec_swiglu launch and give the bits of two
+        matvec_fast launches: both or neither on matvec_reg.cu."""
+        return (reg_shape(tg, k, n) is None) == (reg_shape(tu, k, n) is None)
 
     def _allow_smem(self, source: str, name: str, smem: int, static: int = 0) -> None:
         """Opt the kernel in to `smem` bytes of dynamic shared memory next to its `static` bytes

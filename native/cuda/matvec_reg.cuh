@@ -1,0 +1,247 @@
+// The register-activation decode of Q4_K rows (one activation row): every lane decodes the same
+// two units of every row its warp streams, so it loads its int8 activations once a launch and
+// keeps them in registers (matvec_fast.cuh's lanes re-read a unit's activations from L1 for every
+// row: 32 bytes of int8 for each 16 bytes of Q4_K quants, and the wait on them was the Q4_K
+// kernels' first stall). The quants come straight from global memory: no shared-memory stage.
+//
+// Layout (reg_shape gives PPW and WK from k; cuda_kernels.reg_shape is the host's copy):
+// - a pass is 8 blocks (2048 values) of a row: lane l decodes block l / 4 of the pass, units 2c
+//   and 2c + 1 (c = l % 4: the low and high nibbles of the block's quant bytes 32c..32c+31),
+//   from the block's 16-byte header and those 32 bytes (three 16-byte loads);
+// - a warp takes PPW passes of a row (its k-slice), WK warps a row (a team); a row's value is the
+//   warp sums of its slices added in slice order, so it depends on k alone, never on the launch
+//   shape or on which kernel (plain, swiglu, multi) streams it: the fused kernels give the plain
+//   kernel's bits;
+// - a team streams its rows with the next row's loads in flight while the current one is decoded.
+//
+// A unit pair's integer sums are combined as ggml's vec_dot_q4_K_q8_K does:
+// xd * (d * (sc0 s0 + sc1 s1) - dmin * (m0 xs0 + m1 xs1)), xd the activations' Q8_K scale.
+#pragma once
+#include "ntx_half.cuh"
+#include "warp.cuh"
+
+#define NTX_REG_WARPS 8  // warps a block: WK x teams (WK <= 8)
+
+// (PPW, WK) for k columns: up to two passes one warp; up to 8 passes one pass a warp; up to 16
+// two a warp; wider rows take matvec_fast (wk 0).
+__host__ __device__ __forceinline__ int reg_ppw(int k) {
+    const int p = (k / 256 + 7) / 8;
+    return p <= 2 ? 2 : (p <= 8 ? 1 : 2);
+}
+__host__ __device__ __forceinline__ int reg_wk(int k) {
+    const int p = (k / 256 + 7) / 8, ppw = reg_ppw(k), wk = (p + ppw - 1) / ppw;
+    return wk <= NTX_REG_WARPS ? wk : 0;
+}
+
+struct Q4KW {
+    uint4 h, qa, qb;  // header (d, dmin, scales), quant bytes 32c..32c+15, 32c+16..32c+31
+};
+
+template <int PPW>
+struct Q4KActs {
+    int x[PPW][16];  // unit 2c's 8 words, then unit 2c + 1's
+    float d[PPW];
+    int s[PPW][2];
+};
+
+// Whether the lane has a block in pass p0 + e of a row of nb blocks.
+__device__ __forceinline__ bool reg_on(int p, int nb, int lane) { return 8 * p + lane / 4 < nb; }
+
+template <int PPW>
+__device__ __forceinline__ void q4k_row_load(const uint8_t* __restrict__ wrow, int p0, int nb, int lane, Q4KW* w) {
+#pragma unroll
+    for (int e = 0; e < PPW; ++e) {
+        if (!reg_on(p0 + e, nb, lane)) continue;
+        const uint8_t* blk = wrow + 144 * (size_t)(8 * (p0 + e) + lane / 4);
+        const uint4* q = reinterpret_cast<const uint4*>(blk + 16 + 32 * (lane & 3));
+        w[e].h = __ldcs(reinterpret_cast<const uint4*>(blk));
+        w[e].qa = __ldcs(q);
+        w[e].qb = __ldcs(q + 1);
+    }
+}
+
+// The lane's activations (Q8_K: xq int8, xd and xs per 32 values).
+template <int PPW>
+__device__ __forceinline__ void q4k_acts(const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                                         const float* __restrict__ xs, int p0, int nb, int lane, Q4KActs<PPW>& a) {
+#pragma unroll
+    for (int e = 0; e < PPW; ++e) {
+        if (!reg_on(p0 + e, nb, lane)) continue;
+        const int b = 8 * (p0 + e) + lane / 4;
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int col32 = 8 * b + 2 * (lane & 3) + u;
+            const int4* xv = reinterpret_cast<const int4*>(xq + 32 * (size_t)col32);
+            const int4 lo = __ldg(xv), hi = __ldg(xv + 1);
+            int* o = a.x[e] + 8 * u;
+            o[0] = lo.x, o[1] = lo.y, o[2] = lo.z, o[3] = lo.w, o[4] = hi.x, o[5] = hi.y, o[6] = hi.z, o[7] = hi.w;
+            a.s[e][u] = (int)__ldg(xs + col32);
+        }
+        a.d[e] = __ldg(xd + 8 * b);
+    }
+}
+
+// Scales and mins of units 2c and 2c + 1 from the header's 12 scale bytes (ggml's
+// get_scale_min_k4, four bytes at a time).
+__device__ __forceinline__ void q4k_scales(const uint4& h, int c, int* sc, int* mn) {
+    uint32_t scw, mw;
+    if (c < 2) {
+        scw = h.y & 0x3F3F3F3Fu;
+        mw = h.z & 0x3F3F3F3Fu;
+    } else {
+        scw = (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
+        mw = ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
+    }
+    const int sh = 16 * (c & 1);
+    sc[0] = (scw >> sh) & 0xFF;
+    sc[1] = (scw >> (sh + 8)) & 0xFF;
+    mn[0] = (mw >> sh) & 0xFF;
+    mn[1] = (mw >> (sh + 8)) & 0xFF;
+}
+
+__device__ __forceinline__ float q4k_pair(const Q4KW& w, int c, const int* x, float xd, const int* xs) {
+    const uint32_t q[8] = {w.qa.x, w.qa.y, w.qa.z, w.qa.w, w.qb.x, w.qb.y, w.qb.z, w.qb.w};
+    int s0 = 0, s1 = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        s0 = __dp4a((int)(q[i] & 0x0F0F0F0Fu), x[i], s0);
+        s1 = __dp4a((int)((q[i] >> 4) & 0x0F0F0F0Fu), x[8 + i], s1);
+    }
+    int sc[2], mn[2];
+    q4k_scales(w.h, c, sc, mn);
+    const int isum = sc[0] * s0 + sc[1] * s1, imin = mn[0] * xs[0] + mn[1] * xs[1];
+    const float d = ntx_h2f((uint16_t)(w.h.x & 0xFFFFu)), dmin = ntx_h2f((uint16_t)(w.h.x >> 16));
+    return xd * (d * (float)isum - dmin * (float)imin);
+}
+
+// The lane's share of a row (its passes, in order).
+template <int PPW>
+__device__ __forceinline__ float q4k_lane_dot(const Q4KW* w, const Q4KActs<PPW>& a, int p0, int nb, int lane) {
+    float acc = 0.f;
+#pragma unroll
+    for (int e = 0; e < PPW; ++e)
+        if (reg_on(p0 + e, nb, lane)) acc += q4k_pair(w[e], lane & 3, a.x[e], a.d[e], a.s[e]);
+    return acc;
+}
+
+// Where a warp stands in a register-activation launch: WK warps a team, teams a block.
+struct RegTeam {
+    int lane, wk, team, slice, p0, nb, gid, nteams;
+};
+
+template <int PPW>
+__device__ __forceinline__ RegTeam reg_team(int k) {
+    RegTeam t;
+    t.lane = threadIdx.x & 31;
+    t.wk = reg_wk(k);
+    const int warp = threadIdx.x >> 5, teams = (blockDim.x >> 5) / t.wk;
+    t.team = warp / t.wk;
+    t.slice = warp % t.wk;
+    t.p0 = t.slice * PPW;
+    t.nb = k / 256;
+    t.gid = blockIdx.x * teams + t.team;
+    t.nteams = gridDim.x * teams;
+    return t;
+}
+
+// Whether the block is whole teams (the host's shape, Kernels._reg_go): a partial team would
+// wait at its named barrier forever, so such a launch writes nothing instead.
+__device__ __forceinline__ bool reg_block_ok(int k) {
+    const int wk = reg_wk(k);
+    return wk > 0 && blockDim.x % (32 * wk) == 0;
+}
+
+// The team's i-th row of a segment of `rows` rows whose first row goes to team `first`.
+__device__ __forceinline__ int reg_row(const RegTeam& t, int first, int i) {
+    return (t.gid - first % t.nteams + t.nteams) % t.nteams + i * t.nteams;
+}
+__device__ __forceinline__ int reg_count(const RegTeam& t, int first, int rows) {
+    const int r0 = reg_row(t, first, 0);
+    return r0 < rows ? (rows - r0 + t.nteams - 1) / t.nteams : 0;
+}
+
+// A team's row values: each warp's sum, then (WK > 1) the slices' sums in slice order through
+// shared memory (red: 2 x WK floats of the team, alternating by row) at the team's named barrier.
+// Every lane of slice 0 returns the row's value; other slices return 0.
+__device__ __forceinline__ float reg_row_value(const RegTeam& t, float acc, float* red, int i) {
+    acc = warp_sum(acc);
+    if (t.wk == 1) return acc;
+    float* r = red + (i & 1) * NTX_REG_WARPS;
+    if (t.lane == 0) r[t.slice] = acc;
+    asm volatile("bar.sync %0, %1;" ::"r"(t.team + 1), "r"(32 * t.wk) : "memory");
+    float v = 0.f;
+    if (t.slice == 0)
+        for (int s = 0; s < t.wk; ++s) v += r[s];
+    return v;
+}
+
+// Stream n rows (row_ptr(i): the start of the team's i-th row) with one in flight ahead; emit(i, v)
+// on slice 0 with the row's value. cur: row 0's loads when preloaded (q4k_row_load before the
+// PDL wait).
+template <int PPW, class RowPtr, class Emit>
+__device__ __forceinline__ void q4k_team_rows(const RegTeam& t, const Q4KActs<PPW>& a, int n, RowPtr row_ptr,
+                                              Emit emit, Q4KW* cur, bool preloaded, float* red) {
+    if (n > 0 && !preloaded) q4k_row_load<PPW>(row_ptr(0), t.p0, t.nb, t.lane, cur);
+    for (int i = 0; i < n; ++i) {
+        Q4KW nxt[PPW];
+        if (i + 1 < n) q4k_row_load<PPW>(row_ptr(i + 1), t.p0, t.nb, t.lane, nxt);
+        const float v = reg_row_value(t, q4k_lane_dot<PPW>(cur, a, t.p0, t.nb, t.lane), red, i);
+        if (t.slice == 0) emit(i, v);
+#pragma unroll
+        for (int e = 0; e < PPW; ++e) cur[e] = nxt[e];
+    }
+}
+
+// One Q4_K row by one warp against n <= N activation rows, in the order the teams above add it:
+// for each slice its passes' pair terms per lane, the warp's sum, the slices' sums in order. The
+// dp4a kernels (matvec_fast.cuh: several-token products, the fused kernels' other paths) stream
+// Q4_K rows with it, so a token's row of an N-row product equals its one-row product from
+// matvec_reg.cu bit for bit (speculative decoding's verify pass against plain decoding).
+// pre: the row's first pass (q4k_row_load<1> before the PDL wait), or null. Rows of k with
+// reg_wk(k) == 0 never come here (q4k_reg_order).
+template <int N>
+__device__ __forceinline__ void q4k_row_n(const uint8_t* __restrict__ W, int row, const int8_t* __restrict__ xq,
+                                          const float* __restrict__ xd, const float* __restrict__ xs, int k, int n,
+                                          float* v, const Q4KW* pre) {
+    const int lane = threadIdx.x & 31, nb = k / 256, ppw = reg_ppw(k), wk = reg_wk(k), c = lane & 3;
+    const uint8_t* wrow = W + (size_t)row * nb * 144;
+#pragma unroll
+    for (int t = 0; t < N; ++t) v[t] = 0.f;
+    for (int s = 0; s < wk; ++s) {
+        float acc[N];
+#pragma unroll
+        for (int t = 0; t < N; ++t) acc[t] = 0.f;
+        for (int e = 0; e < ppw; ++e) {
+            const int p = s * ppw + e;
+            if (!reg_on(p, nb, lane)) continue;
+            Q4KW w;
+            if (pre != nullptr && p == 0) w = *pre;
+            else q4k_row_load<1>(wrow, p, nb, lane, &w);
+            const int b = 8 * p + lane / 4;
+#pragma unroll
+            for (int t = 0; t < N; ++t) {
+                if (t >= n) break;
+                int x[16], sx[2];
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+                    const int col32 = 8 * b + 2 * c + u;
+                    const int4* xv = reinterpret_cast<const int4*>(xq + (size_t)t * k + 32 * (size_t)col32);
+                    const int4 lo = __ldg(xv), hi = __ldg(xv + 1);
+                    int* o = x + 8 * u;
+                    o[0] = lo.x, o[1] = lo.y, o[2] = lo.z, o[3] = lo.w, o[4] = hi.x, o[5] = hi.y, o[6] = hi.z, o[7] = hi.w;
+                    sx[u] = (int)__ldg(xs + (size_t)t * (k / 32) + col32);
+                }
+                acc[t] += q4k_pair(w, c, x, __ldg(xd + (size_t)t * (k / 32) + 8 * b), sx);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < N; ++t) {
+            if (t >= n) break;
+            const float ws = warp_sum(acc[t]);
+            v[t] = wk == 1 ? ws : v[t] + ws;
+        }
+    }
+}
+
+// Whether Q4_K rows of k columns take the register kernels' order (else matvec_fast.cuh's own).
+__device__ __forceinline__ bool q4k_reg_order(int k) { return reg_wk(k) > 0; }
