@@ -15,8 +15,8 @@ on the int8 tensor cores (mmq.cu), gemm / nogemm = prefill matmuls as fp16 cuBLA
 (-DNTX_SWIGLU_PAIR=0, fused.cu), noq6pair = the Q6_K dp4a decode one unit a lane (-DNTX_Q6_PAIR=0,
 matvec_fast.cuh), noagpre = the grid attention issues its first K/V loads after the PDL wait (-DNTX_AG_PRE_WAIT=0,
 attn_grid.cu), nonormpre = the fused norm loads its weights after the PDL wait (-DNTX_NORM_PRE_WAIT=0, fused.cu),
-noreg = one-token Q4_K products on the one-warp-a-row dp4a kernels instead of matvec_reg.cu's register-activation
-teams (-DNTX_REG=0, read by cuda_kernels.reg_enabled).
+noreg = the build without matvec_reg.cu: Q4_K rows in the dp4a kernels' own order, one warp a row
+(-DNTX_REG=0, matvec_reg.cuh; cuda_kernels.reg_build reads it too).
 --prefill-chunk: tokens per prefill pass. Each (model, variant) is
 bench_cuda.run (its docstring says how bytes per token and the bound are counted).
 --kernels adds bench_cuda.kernel_table: each decode kernel's own GPU time at 8B shapes.

@@ -218,9 +218,9 @@ __device__ __forceinline__ void fast_row_start(const uint8_t* __restrict__ W, in
     const int row_bytes = k / F::B::QK * F::B::BYTES, lane = threadIdx.x & 31;
     const uint8_t* wrow = W + (size_t)row * row_bytes;
     if constexpr (fast_q4k<F>()) {
-        if (q4k_reg_order(k)) {  // q4k_row_n's first pass
+        if (q4k_reg_order(k)) {  // reg_row_n's first pass
             static_assert(sizeof(Q4KW) <= NTX_PRE_SLOTS * sizeof(uint4), "a Q4_K pass fits the preload");
-            q4k_row_load<1>(wrow, 0, k / 256, lane, reinterpret_cast<Q4KW*>(r));
+            RegQ4K::load(wrow, 0, k / 256, lane, *reinterpret_cast<Q4KW*>(r));
             return;
         }
     }
@@ -253,7 +253,7 @@ __device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row,
                                          uint8_t* st, int k, int n, float* acc, const uint4* pre = nullptr) {
     if constexpr (fast_q4k<F>()) {
         if (q4k_reg_order(k)) {  // Q4_K rows in matvec_reg.cu's order (its one-row bits)
-            q4k_row_n<N>(W, row, xq, xd, xs, k, n, acc, PRE ? reinterpret_cast<const Q4KW*>(pre) : nullptr);
+            reg_row_n<RegQ4K, N>(W, row, xq, xd, xs, k, n, acc, PRE ? reinterpret_cast<const Q4KW*>(pre) : nullptr, st);
             return;
         }
     }
@@ -315,11 +315,9 @@ __device__ __forceinline__ void fast_row_pair(const uint8_t* __restrict__ Wa, co
                                               const float* __restrict__ xs, uint8_t* st, int k, float* a,
                                               float* b, const uint4* pre) {
     if constexpr (fast_q4k<F>()) {
-        if (q4k_reg_order(k)) {  // one row after the other, each as fast_row gives it
-            const Q4KW* pa = NTX_PRE_WAIT > 0 ? reinterpret_cast<const Q4KW*>(pre) : nullptr;
-            const Q4KW* pb = NTX_PRE_WAIT > 0 ? reinterpret_cast<const Q4KW*>(pre + NTX_PRE_SLOTS) : nullptr;
-            q4k_row_n<1>(Wa, row, xq, xd, xs, k, 1, a, pa);
-            q4k_row_n<1>(Wb, row, xq, xd, xs, k, 1, b, pb);
+        if (q4k_reg_order(k)) {  // one row after the other, as fast_row gives each
+            fast_row<F, 1, NTX_PRE_WAIT != 0>(Wa, row, xq, xd, xs, st, k, 1, a, pre);
+            fast_row<F, 1, NTX_PRE_WAIT != 0>(Wb, row, xq, xd, xs, st, k, 1, b, pre + NTX_PRE_SLOTS);
             return;
         }
     }

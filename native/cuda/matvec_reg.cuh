@@ -4,7 +4,7 @@
 // row: 32 bytes of int8 for each 16 bytes of Q4_K quants, and the wait on them was the Q4_K
 // kernels' first stall). The quants come straight from global memory: no shared-memory stage.
 //
-// Layout (reg_shape gives PPW and WK from k; cuda_kernels.reg_shape is the host's copy):
+// Layout (reg_ppw and reg_wk give PPW and WK from k; cuda_kernels.reg_shape is the host's copy):
 // - a pass is 8 blocks (2048 values) of a row: lane l decodes block l / 4 of the pass, units 2c
 //   and 2c + 1 (c = l % 4: the low and high nibbles of the block's quant bytes 32c..32c+31),
 //   from the block's 16-byte header and those 32 bytes (three 16-byte loads);
@@ -19,8 +19,19 @@
 #pragma once
 #include "ntx_half.cuh"
 #include "warp.cuh"
+#include "fast_units.cuh"
 
 #define NTX_REG_WARPS 8  // warps a block: WK x teams (WK <= 8)
+// NTX_REG (default 1; 0: the dp4a kernels' own Q4_K order, and the host launches no
+// matvec_reg.cu kernel: cuda_kernels.reg_build reads the define). The unit-decode build
+// (NTX_Q6_PAIR=0, session 7's decode) is a build without it.
+#ifndef NTX_REG
+#define NTX_REG 1
+#endif
+#if !NTX_Q6_PAIR
+#undef NTX_REG
+#define NTX_REG 0
+#endif
 
 // (PPW, WK) for k columns: up to two passes one warp; up to 8 passes one pass a warp; up to 16
 // two a warp; wider rows take matvec_fast (wk 0).
@@ -46,19 +57,6 @@ struct Q4KActs {
 
 // Whether the lane has a block in pass p0 + e of a row of nb blocks.
 __device__ __forceinline__ bool reg_on(int p, int nb, int lane) { return 8 * p + lane / 4 < nb; }
-
-template <int PPW>
-__device__ __forceinline__ void q4k_row_load(const uint8_t* __restrict__ wrow, int p0, int nb, int lane, Q4KW* w) {
-#pragma unroll
-    for (int e = 0; e < PPW; ++e) {
-        if (!reg_on(p0 + e, nb, lane)) continue;
-        const uint8_t* blk = wrow + 144 * (size_t)(8 * (p0 + e) + lane / 4);
-        const uint4* q = reinterpret_cast<const uint4*>(blk + 16 + 32 * (lane & 3));
-        w[e].h = __ldcs(reinterpret_cast<const uint4*>(blk));
-        w[e].qa = __ldcs(q);
-        w[e].qb = __ldcs(q + 1);
-    }
-}
 
 // The lane's activations (Q8_K: xq int8, xd and xs per 32 values).
 template <int PPW>
@@ -99,14 +97,17 @@ __device__ __forceinline__ void q4k_scales(const uint4& h, int c, int* sc, int* 
     mn[1] = (mw >> (sh + 8)) & 0xFF;
 }
 
-__device__ __forceinline__ float q4k_pair(const Q4KW& w, int c, const int* x, float xd, const int* xs) {
+// One unit's integer dot product: nibble half `hi` of the 32 quant bytes against its 8 activation words.
+__device__ __forceinline__ int q4k_unit_sum(const Q4KW& w, int hi, const int* x) {
     const uint32_t q[8] = {w.qa.x, w.qa.y, w.qa.z, w.qa.w, w.qb.x, w.qb.y, w.qb.z, w.qb.w};
-    int s0 = 0, s1 = 0;
+    int s = 0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        s0 = __dp4a((int)(q[i] & 0x0F0F0F0Fu), x[i], s0);
-        s1 = __dp4a((int)((q[i] >> 4) & 0x0F0F0F0Fu), x[8 + i], s1);
-    }
+    for (int i = 0; i < 8; ++i) s = __dp4a((int)((q[i] >> (4 * hi)) & 0x0F0F0F0Fu), x[i], s);
+    return s;
+}
+
+// The pair's term from its two integer sums.
+__device__ __forceinline__ float q4k_combine(const Q4KW& w, int c, int s0, int s1, float xd, const int* xs) {
     int sc[2], mn[2];
     q4k_scales(w.h, c, sc, mn);
     const int isum = sc[0] * s0 + sc[1] * s1, imin = mn[0] * xs[0] + mn[1] * xs[1];
@@ -114,15 +115,45 @@ __device__ __forceinline__ float q4k_pair(const Q4KW& w, int c, const int* x, fl
     return xd * (d * (float)isum - dmin * (float)imin);
 }
 
-// The lane's share of a row (its passes, in order).
-template <int PPW>
-__device__ __forceinline__ float q4k_lane_dot(const Q4KW* w, const Q4KActs<PPW>& a, int p0, int nb, int lane) {
-    float acc = 0.f;
-#pragma unroll
-    for (int e = 0; e < PPW; ++e)
-        if (reg_on(p0 + e, nb, lane)) acc += q4k_pair(w[e], lane & 3, a.x[e], a.d[e], a.s[e]);
-    return acc;
+__device__ __forceinline__ float q4k_pair(const Q4KW& w, int c, const int* x, float xd, const int* xs) {
+    return q4k_combine(w, c, q4k_unit_sum(w, 0, x), q4k_unit_sum(w, 1, x + 8), xd, xs);
 }
+
+// --- the type the teams stream (an interface for more: R::W, a pass's loads in flight;
+// R::Acts<PPW>; load, acts, and add, a pass's terms onto the lane's sum in the one order every
+// kernel uses; add_token, reg_row_n's form with one token's activations loaded for it)
+struct RegQ4K {
+    typedef Q4KW W;
+    template <int PPW>
+    using Acts = Q4KActs<PPW>;
+    static const int BYTES = 144;
+    static __device__ __forceinline__ void load(const uint8_t* __restrict__ wrow, int p, int nb, int lane, W& w) {
+        if (!reg_on(p, nb, lane)) return;
+        const uint8_t* blk = wrow + 144 * (size_t)(8 * p + lane / 4);
+        const uint4* q = reinterpret_cast<const uint4*>(blk + 16 + 32 * (lane & 3));
+        w.h = __ldcs(reinterpret_cast<const uint4*>(blk));
+        w.qa = __ldcs(q);
+        w.qb = __ldcs(q + 1);
+    }
+    template <int PPW>
+    static __device__ __forceinline__ void acts(const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                                                const float* __restrict__ xs, int p0, int nb, int lane, Acts<PPW>& a) {
+        q4k_acts<PPW>(xq, xd, xs, p0, nb, lane, a);
+    }
+    // pass e of the lane's slice (pass p): acc += the lane's pair of units
+    template <int PPW>
+    static __device__ __forceinline__ void add(float& acc, const W& w, const Acts<PPW>& a, int e, int p, int nb,
+                                               int lane, uint8_t*) {
+        if (reg_on(p, nb, lane)) acc += q4k_pair(w, lane & 3, a.x[e], a.d[e], a.s[e]);
+    }
+    static __device__ __forceinline__ void add_token(float& acc, const W& w, const int8_t* __restrict__ xq,
+                                                     const float* __restrict__ xd, const float* __restrict__ xs,
+                                                     int p, int nb, int lane, const uint8_t*) {
+        Acts<1> a;
+        q4k_acts<1>(xq, xd, xs, p, nb, lane, a);
+        add<1>(acc, w, a, 0, p, nb, lane, nullptr);
+    }
+};
 
 // Where a warp stands in a register-activation launch: WK warps a team, teams a block.
 struct RegTeam {
@@ -151,7 +182,8 @@ __device__ __forceinline__ bool reg_block_ok(int k) {
     return wk > 0 && blockDim.x % (32 * wk) == 0;
 }
 
-// The team's i-th row of a segment of `rows` rows whose first row goes to team `first`.
+// The team's i-th row of a segment of rows whose first row goes to team `first`, and how many
+// of `rows` it takes.
 __device__ __forceinline__ int reg_row(const RegTeam& t, int first, int i) {
     return (t.gid - first % t.nteams + t.nteams) % t.nteams + i * t.nteams;
 }
@@ -175,36 +207,45 @@ __device__ __forceinline__ float reg_row_value(const RegTeam& t, float acc, floa
     return v;
 }
 
+template <class R, int PPW>
+__device__ __forceinline__ void reg_row_load(const uint8_t* wrow, const RegTeam& t, typename R::W* w) {
+#pragma unroll
+    for (int e = 0; e < PPW; ++e) R::load(wrow, t.p0 + e, t.nb, t.lane, w[e]);
+}
+
 // Stream n rows (row_ptr(i): the start of the team's i-th row) with one in flight ahead; emit(i, v)
-// on slice 0 with the row's value. cur: row 0's loads when preloaded (q4k_row_load before the
-// PDL wait).
-template <int PPW, class RowPtr, class Emit>
-__device__ __forceinline__ void q4k_team_rows(const RegTeam& t, const Q4KActs<PPW>& a, int n, RowPtr row_ptr,
-                                              Emit emit, Q4KW* cur, bool preloaded, float* red) {
-    if (n > 0 && !preloaded) q4k_row_load<PPW>(row_ptr(0), t.p0, t.nb, t.lane, cur);
+// on slice 0 with the row's value. cur: row 0's loads when preloaded (reg_row_load before the
+// PDL wait). st: the warp's stage (for types that need one).
+template <class R, int PPW, class RowPtr, class Emit>
+__device__ __forceinline__ void reg_team_rows(const RegTeam& t, const typename R::template Acts<PPW>& a, int n,
+                                              RowPtr row_ptr, Emit emit, typename R::W* cur, bool preloaded,
+                                              float* red, uint8_t* st) {
+    if (n > 0 && !preloaded) reg_row_load<R, PPW>(row_ptr(0), t, cur);
     for (int i = 0; i < n; ++i) {
-        Q4KW nxt[PPW];
-        if (i + 1 < n) q4k_row_load<PPW>(row_ptr(i + 1), t.p0, t.nb, t.lane, nxt);
-        const float v = reg_row_value(t, q4k_lane_dot<PPW>(cur, a, t.p0, t.nb, t.lane), red, i);
+        typename R::W nxt[PPW];
+        if (i + 1 < n) reg_row_load<R, PPW>(row_ptr(i + 1), t, nxt);
+        float acc = 0.f;
+#pragma unroll
+        for (int e = 0; e < PPW; ++e) R::template add<PPW>(acc, cur[e], a, e, t.p0 + e, t.nb, t.lane, st);
+        const float v = reg_row_value(t, acc, red, i);
         if (t.slice == 0) emit(i, v);
 #pragma unroll
         for (int e = 0; e < PPW; ++e) cur[e] = nxt[e];
     }
 }
 
-// One Q4_K row by one warp against n <= N activation rows, in the order the teams above add it:
-// for each slice its passes' pair terms per lane, the warp's sum, the slices' sums in order. The
-// dp4a kernels (matvec_fast.cuh: several-token products, the fused kernels' other paths) stream
-// Q4_K rows with it, so a token's row of an N-row product equals its one-row product from
+// One row by one warp against n <= N activation rows, in the order the teams above add it: for
+// each slice its passes' terms per lane, the warp's sum, the slices' sums in order. The dp4a
+// kernels (matvec_fast.cuh: several-token products, the fused kernels' other paths) stream Q4_K
+// rows with it, so a token's row of an N-row product equals its one-row product from
 // matvec_reg.cu bit for bit (speculative decoding's verify pass against plain decoding).
-// pre: the row's first pass (q4k_row_load<1> before the PDL wait), or null. Rows of k with
-// reg_wk(k) == 0 never come here (q4k_reg_order).
-template <int N>
-__device__ __forceinline__ void q4k_row_n(const uint8_t* __restrict__ W, int row, const int8_t* __restrict__ xq,
+// pre: the row's first pass (R::load before the PDL wait), or null. st: a stage for types that need one.
+template <class R, int N>
+__device__ __forceinline__ void reg_row_n(const uint8_t* __restrict__ W, int row, const int8_t* __restrict__ xq,
                                           const float* __restrict__ xd, const float* __restrict__ xs, int k, int n,
-                                          float* v, const Q4KW* pre) {
-    const int lane = threadIdx.x & 31, nb = k / 256, ppw = reg_ppw(k), wk = reg_wk(k), c = lane & 3;
-    const uint8_t* wrow = W + (size_t)row * nb * 144;
+                                          float* v, const typename R::W* pre, uint8_t* st) {
+    const int lane = threadIdx.x & 31, nb = k / 256, ppw = reg_ppw(k), wk = reg_wk(k), k32 = k / 32;
+    const uint8_t* wrow = W + (size_t)row * nb * R::BYTES;
 #pragma unroll
     for (int t = 0; t < N; ++t) v[t] = 0.f;
     for (int s = 0; s < wk; ++s) {
@@ -213,25 +254,14 @@ __device__ __forceinline__ void q4k_row_n(const uint8_t* __restrict__ W, int row
         for (int t = 0; t < N; ++t) acc[t] = 0.f;
         for (int e = 0; e < ppw; ++e) {
             const int p = s * ppw + e;
-            if (!reg_on(p, nb, lane)) continue;
-            Q4KW w;
+            if (!reg_on(p, nb, lane)) continue;  // (add_token would add nothing)
+            typename R::W w;
             if (pre != nullptr && p == 0) w = *pre;
-            else q4k_row_load<1>(wrow, p, nb, lane, &w);
-            const int b = 8 * p + lane / 4;
+            else R::load(wrow, p, nb, lane, w);
 #pragma unroll
             for (int t = 0; t < N; ++t) {
                 if (t >= n) break;
-                int x[16], sx[2];
-#pragma unroll
-                for (int u = 0; u < 2; ++u) {
-                    const int col32 = 8 * b + 2 * c + u;
-                    const int4* xv = reinterpret_cast<const int4*>(xq + (size_t)t * k + 32 * (size_t)col32);
-                    const int4 lo = __ldg(xv), hi = __ldg(xv + 1);
-                    int* o = x + 8 * u;
-                    o[0] = lo.x, o[1] = lo.y, o[2] = lo.z, o[3] = lo.w, o[4] = hi.x, o[5] = hi.y, o[6] = hi.z, o[7] = hi.w;
-                    sx[u] = (int)__ldg(xs + (size_t)t * (k / 32) + col32);
-                }
-                acc[t] += q4k_pair(w, c, x, __ldg(xd + (size_t)t * (k / 32) + 8 * b), sx);
+                R::add_token(acc[t], w, xq + (size_t)t * k, xd + (size_t)t * k32, xs + (size_t)t * k32, p, nb, lane, st);
             }
         }
 #pragma unroll
@@ -244,4 +274,4 @@ __device__ __forceinline__ void q4k_row_n(const uint8_t* __restrict__ W, int row
 }
 
 // Whether Q4_K rows of k columns take the register kernels' order (else matvec_fast.cuh's own).
-__device__ __forceinline__ bool q4k_reg_order(int k) { return reg_wk(k) > 0; }
+__device__ __forceinline__ bool q4k_reg_order(int k) { return NTX_REG && reg_wk(k) > 0; }

@@ -214,7 +214,7 @@ class CudaBackend:
         self.flush()
         n, k = x.shape
         if "ffn" not in self.fuse or not self._fusable((w_gate, w_up), k) or w_gate.shape != w_up.shape \
-                or not self.k.swiglu_fusable(w_gate.ggml_type, w_up.ggml_type, k, 1) or self._uses_mmq(w_gate, n) or self._uses_gemm(w_gate, n) or self._uses_gemm(w_up, n):
+                or self._uses_mmq(w_gate, n) or self._uses_gemm(w_gate, n) or self._uses_gemm(w_up, n):
             return self.swiglu(self.matmul(w_gate, x), self.matmul(w_up, x))
         xq, (xd, xs) = self._int8_activations(w_gate, x)
         rows = w_gate.shape[0]

@@ -65,22 +65,26 @@ def fast_rows() -> int:
 REG_WARPS = 8  # NTX_REG_WARPS in matvec_reg.cuh: warps a block of the register-activation kernels
 
 
-def reg_shape(t: GGMLType, k: int, n: int) -> tuple[int, int] | None:
+def reg_build(defines: str | None = None) -> bool:
+    """Whether kernels built with these NTX_CUDA_DEFINES (default: the environment's now) have
+    matvec_reg.cuh's decode: not with -DNTX_REG=0, nor in the unit-decode build -DNTX_Q6_PAIR=0.
+    Kernels reads it once, when it compiles its modules."""
+    words = (os.environ.get("NTX_CUDA_DEFINES", "") if defines is None else defines).split()
+    return {"-DNTX_REG=0", "-DNTX_Q6_PAIR=0"}.isdisjoint(words)
+
+
+def reg_shape(t: GGMLType, k: int, n: int, build: bool = True) -> tuple[int, int] | None:
     """(passes a warp PPW, warps a row WK) of matvec_reg.cu for n activation rows of k values
     (reg_ppw / reg_wk there), or None when its kernels do not take the product: they take one
-    row of Q4_K weights (the types and widths the decode of Q4_K_M models streams) and rows of
-    at most 16 passes of 2048 values."""
-    if n != 1 or t != GGMLType.Q4_K or k % 256 or not reg_enabled():
+    row of Q4_K weights of at most 16 passes of 2048 values, in a build with them (reg_build).
+    Every other kernel adds such rows in the same order (reg_row_n), so this picks the launch,
+    never the bits."""
+    if not build or n != 1 or t != GGMLType.Q4_K or k % 256:
         return None
     p = _cdiv(k // 256, 8)
     ppw = 2 if p <= 2 or p > 8 else 1
     wk = _cdiv(p, ppw)
     return (ppw, wk) if wk <= REG_WARPS else None
-
-
-def reg_enabled() -> bool:
-    """Whether Q4_K decode takes matvec_reg.cu (NTX_CUDA_DEFINES without -DNTX_REG=0, as fast_rows reads it)."""
-    return "-DNTX_REG=0" not in os.environ.get("NTX_CUDA_DEFINES", "").split()
 
 
 def gqa_split_ok(n_head: int, n_kv: int, head_dim: int) -> bool:
@@ -151,6 +155,7 @@ class Kernels:
                         for src in cuda_nvrtc.SOURCES}
         self._smem_limits: dict[tuple[str, str], int] = {}  # dynamic shared memory allowed so far
         self._reg_per_sm: dict[tuple[str, int], int] = {}  # matvec_reg.cu's resident blocks an SM, by (kernel, block)
+        self.reg = reg_build()  # the defines the modules below are compiled with
         self.fast_rows = fast_rows()
         self.grid_fixed = grid_fixed_setting()  # read once: the grid attention launches every layer
 
@@ -182,9 +187,9 @@ class Kernels:
     def matvec_fast(self, t: GGMLType, w: DeviceArray, xq: DeviceArray, xd: DeviceArray, xs: DeviceArray,
                     y: DeviceArray, rows: int, k: int, n: int, stream: Stream) -> None:
         """y (n, rows) = dequant(xq, xd) . w^T with dp4a; n <= MATVEC_MAX_TOKENS; see fast_matvec_ok."""
-        shape = reg_shape(t, k, n)
+        shape = reg_shape(t, k, n, self.reg)
         if shape is not None:
-            self._reg_go(f"matvecr_q4_k_p{shape[0]}", shape[1], rows, (w, xq, xd, xs, y, rows, k), stream)
+            self._reg_go(f"matvecr_{FAST_TYPES[t]}_p{shape[0]}", shape[1], rows, (w, xq, xd, xs, y, rows, k), stream)
             return
         variant = "n1" if n == 1 else "n8"
         self._go("matvec_fast.cu", f"matvecf_{FAST_TYPES[t]}_{variant}", (_cdiv(rows, self.fast_rows),),
@@ -220,8 +225,7 @@ class Kernels:
         data = [w[0] for w in ws] + [None] * pad
         codes = [FAST_CODES[w[1]] for w in ws] + [0] * pad
         rows = [w[2] for w in ws] + [0] * pad
-        shapes = [reg_shape(w[1], k, n) for w in ws]
-        shape = next((s for s in shapes if s is not None), None)
+        shape = next((reg_shape(w[1], k, n, self.reg) for w in ws if w[1] == GGMLType.Q4_K), None)
         if shape is not None:  # the Q4_K weights' rows by teams, the others' as matvecf_multi's warps do
             self._reg_go(f"matvecr_multi_p{shape[0]}", shape[1], sum(rows),
                          (*data, *(list(ys) + [None] * pad), *rows, *codes, xq, xd, xs, k), stream)
@@ -234,10 +238,11 @@ class Kernels:
                       xd: DeviceArray, xs: DeviceArray, y: DeviceArray, rows: int, k: int, n: int,
                       stream: Stream) -> None:
         """y (n, rows) = swiglu(x . wg^T, x . wu^T) in one kernel (fused.cu's matvecf_swiglu, or
-        matvec_reg.cu's for one row of Q4_K weights; swiglu_fusable says when one kernel may)."""
-        shape = reg_shape(tg, k, n)
+        matvec_reg.cu's for one row of Q4_K gate and up weights)."""
+        shape = reg_shape(tg, k, n, self.reg)
         if shape is not None and tg == tu:
-            self._reg_go(f"matvecr_swiglu_q4_k_p{shape[0]}", shape[1], rows, (wg, wu, xq, xd, xs, y, rows, k), stream)
+            self._reg_go(f"matvecr_swiglu_{FAST_TYPES[tg]}_p{shape[0]}", shape[1], rows, (wg, wu, xq, xd, xs, y, rows, k),
+                         stream)
             return
         self._go("fused.cu", f"matvecf_swiglu_{'n1' if n == 1 else 'n8'}", (_cdiv(rows, self.fast_rows),),
                  (32 * self.fast_rows,), (wg, wu, FAST_CODES[tg], FAST_CODES[tu], xq, xd, xs, y, rows, k, n),
@@ -402,12 +407,6 @@ class Kernels:
             self._reg_per_sm[(name, block)] = per_sm
         grid = max(1, min(self.device.sm_count * per_sm, _cdiv(rows, teams)))
         self._go("matvec_reg.cu", name, (grid,), (block,), args, stream)
-
-    @staticmethod
-    def swiglu_fusable(tg: GGMLType, tu: GGMLType, k: int, n: int) -> bool:
-        """Whether gate and up may run as one matvec_swiglu launch and give the bits of two
-        matvec_fast launches: both or neither on matvec_reg.cu."""
-        return (reg_shape(tg, k, n) is None) == (reg_shape(tu, k, n) is None)
 
     def _allow_smem(self, source: str, name: str, smem: int, static: int = 0) -> None:
         """Opt the kernel in to `smem` bytes of dynamic shared memory next to its `static` bytes

@@ -19,8 +19,8 @@ SOURCES = ("matvec.cu", "matvec_fast.cu", "fused.cu", "mmq.cu", "dequant.cu", "o
 OPTIONS = ("-std=c++17", "-default-device", "-lineinfo")
 # the decode step's macros (the dp4a matvec's launch shape NTX_G_*, NTX_FAST_WARPS, NTX_FAST_MINB,
 # NTX_SWIGLU_MINB; NTX_PRE_WAIT, NTX_SWIGLU_PAIR, NTX_Q6_PAIR: matvec_fast.cuh, fused.cu; the grid
-# attention's NTX_AG_PRE_WAIT: attn_grid.cu; NTX_REG=0 keeps Q4_K decode off matvec_reg.cu, read by the
-# host: cuda_kernels.reg_enabled) can be set for a tuning run with
+# attention's NTX_AG_PRE_WAIT: attn_grid.cu; NTX_REG=0: the build without matvec_reg.cuh's decode,
+# which the host reads too: cuda_kernels.reg_build) can be set for a tuning run with
 # NTX_CUDA_DEFINES="-DNAME=VALUE ..."; they apply to these sources only
 TUNABLE = ("matvec_fast.cu", "fused.cu", "attn_grid.cu", "matvec_reg.cu")
 

@@ -37,8 +37,8 @@ def _product(b, raw, t, shape, x):
 
 @pytest.mark.parametrize("t", [T.Q6_K, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
 def test_paired_matvec_against_numpy_and_the_unit_build(cuda_backend, synth, monkeypatch, t):
-    """Both builds within MATVEC_REL of numpy; the types without a paired decode give the same
-    bits in both; a token's row of an n-token product (the _n8 kernels) equals its one-token
+    """Both builds within MATVEC_REL of numpy; Q8_0 (decoded alike in both) gives the same bits
+    in both; a token's row of an n-token product (the _n8 kernels) equals its one-token
     product (the _n1 kernels) in the default build."""
     base, unit = built_with(monkeypatch), built_with(monkeypatch, UNIT)
     for rows, k in SHAPES:
@@ -53,7 +53,7 @@ def test_paired_matvec_against_numpy_and_the_unit_build(cuda_backend, synth, mon
             assert np.isfinite(out).all(), f"{what} {build}: unwritten outputs"
             err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
             assert err < MATVEC_REL, f"{what} {build}: rel L2 {err:.2e} against numpy"
-        if t != T.Q6_K:
+        if t == T.Q8_0:  # (the unit build is also one without matvec_reg.cuh's Q4_K order)
             assert np.array_equal(got, other), f"{what}: the builds differ for a type they decode alike"
         for i in range(x.shape[0]):
             one = _product(base, raw, t, (rows, k), x[i:i + 1])
