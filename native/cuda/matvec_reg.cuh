@@ -69,10 +69,7 @@ __device__ __forceinline__ void q4k_acts(const int8_t* __restrict__ xq, const fl
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
             const int col32 = 8 * b + 2 * (lane & 3) + u;
-            const int4* xv = reinterpret_cast<const int4*>(xq + 32 * (size_t)col32);
-            const int4 lo = __ldg(xv), hi = __ldg(xv + 1);
-            int* o = a.x[e] + 8 * u;
-            o[0] = lo.x, o[1] = lo.y, o[2] = lo.z, o[3] = lo.w, o[4] = hi.x, o[5] = hi.y, o[6] = hi.z, o[7] = hi.w;
+            ldx(xq + 32 * (size_t)col32, a.x[e] + 8 * u);
             a.s[e][u] = (int)__ldg(xs + col32);
         }
         a.d[e] = __ldg(xd + 8 * b);
