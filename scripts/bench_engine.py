@@ -6,7 +6,7 @@ JSON out and a short table last (the form the lent-GPU runs record in docs/bench
     python scripts/bench_engine.py --synthetic llama3-8b:q4_k_m llama3-8b:q8_0 \\
         --variant fast/split/pdl fast/split staged/single --json out.json
 
-A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg]: MATVEC
+A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg][/skip=N]: MATVEC
 fast|staged|direct, ATTN grid|split|single, pdl = Hopper programmatic dependent launch, fuse = the fused kernels
 (all, or the named ones of cuda_backend.FUSIONS: qkv, ffn, rope, norm, attn; without it, none), mmq = prefill matmuls
 on the int8 tensor cores (mmq.cu), gemm / nogemm = prefill matmuls as fp16 cuBLAS GEMMs (dequant.cu) or not
@@ -16,7 +16,9 @@ on the int8 tensor cores (mmq.cu), gemm / nogemm = prefill matmuls as fp16 cuBLA
 matvec_fast.cuh), noagpre = the grid attention issues its first K/V loads after the PDL wait (-DNTX_AG_PRE_WAIT=0,
 attn_grid.cu), nonormpre = the fused norm loads its weights after the PDL wait (-DNTX_NORM_PRE_WAIT=0, fused.cu),
 noreg = the build without matvec_reg.cu: Q4_K rows in the dp4a kernels' own order, one warp a row
-(-DNTX_REG=0, matvec_reg.cuh; cuda_kernels.reg_build reads it too).
+(-DNTX_REG=0, matvec_reg.cuh; cuda_kernels.reg_build reads it too). skip=N (a bit mask: 1 the fused norm, 2 the
+grid attention, 4 the activation quantizers, 8 the matvecs) = those kernels return right after their PDL wait
+(-DNTX_SKIP=N, ntx_half.cuh): the step's time without that work, to place the step's time; its output is garbage.
 --prefill-chunk: tokens per prefill pass. Each (model, variant) is
 bench_cuda.run (its docstring says how bytes per token and the bound are counted).
 --kernels adds bench_cuda.kernel_table: each decode kernel's own GPU time at 8B shapes.
@@ -45,16 +47,22 @@ def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None, tup
     fuse = next((f for f in flags if f == "fuse" or f.startswith("fuse=")), "none")
     flags.discard(fuse)
     fuse = "all" if fuse == "fuse" else fuse.removeprefix("fuse=").replace("+", ",")
+    skip = next((f for f in flags if f.startswith("skip=")), None)
+    flags.discard(skip)
+    if skip is not None and not skip.removeprefix("skip=").isdigit():
+        raise argparse.ArgumentTypeError(f"variant {text!r}: skip=N takes a bit mask (1 norm, 2 attention, 4 quantizers, 8 matvecs)")
     if len(parts) < 2 or parts[0] not in ("fast", "staged", "direct") or parts[1] not in ("grid", "split", "single") \
             or not flags <= {"pdl", "mmq", "gemm", "nogemm", *OFF_MACROS}:
         raise argparse.ArgumentTypeError(f"variant {text!r}: expected MATVEC/ATTN[/pdl][/fuse[=A+B]][/mmq][/gemm|/nogemm]"
                                          "[/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg], e.g. fast/grid/pdl/fuse")
     gemm = "1" if "gemm" in flags else "0" if "nogemm" in flags else None
     defines = tuple(f"{m}0" for f, m in OFF_MACROS.items() if f in flags)
+    if skip is not None:
+        defines += (f"-DNTX_SKIP={int(skip.removeprefix('skip='))}",)
     return parts[0], parts[1], "pdl" in flags, fuse, "mmq" in flags, gemm, defines
 
 
-VARIANT_MACROS = tuple(OFF_MACROS.values())
+VARIANT_MACROS = (*OFF_MACROS.values(), "-DNTX_SKIP=")
 
 
 def variant_defines(defines: tuple[str, ...]) -> str:

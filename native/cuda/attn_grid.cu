@@ -209,6 +209,7 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
     float kf[KP][V];
     k_rows<V, KP>(kc, col, kv_dim, p0, p1, kf);
     if (pre) NTX_PDL();  // q, k and v of the token come from the kernel before
+    NTX_SKIP_KIND(2);
     if (ri.k == nullptr) {
         for (int i = threadIdx.x; i < G * hd; i += AG_THREADS) qa[i] = ntx_round_f16(q[(size_t)h0 * hd + i]);
     } else {

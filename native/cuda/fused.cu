@@ -93,6 +93,7 @@ __device__ void matvec_swiglu(const uint8_t* Wg, const uint8_t* Wu, int tyg, int
         uint4 pre[NTX_PRE_SLOTS];                                                                          \
         if (NTX_PRE_WAIT && mine) fast_row_start_any(m.ty, m.W, m.row, k, pre);                            \
         NTX_PDL();                                                                                         \
+        NTX_SKIP_KIND(8);                                                                                  \
         if (mine) matvec_multi<N>(m, xq, xd, xs, k, n, pre);                                               \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(NTX_FAST_WARPS * 32, (N == 1 ? NTX_SWIGLU_MINB : 1))                 \
@@ -105,6 +106,7 @@ __device__ void matvec_swiglu(const uint8_t* Wg, const uint8_t* Wu, int tyg, int
             if (NTX_PRE_WAIT && swiglu_paired(N, tyg, tyu)) fast_row_start_any(tyu, Wu, row, k, pre + NTX_PRE_SLOTS); \
         }                                                                                                  \
         NTX_PDL();                                                                                         \
+        NTX_SKIP_KIND(8);                                                                                  \
         matvec_swiglu<N>(Wg, Wu, tyg, tyu, xq, xd, xs, Y, rows, k, n, pre);                                \
     }
 
@@ -174,6 +176,7 @@ extern "C" __global__ void __launch_bounds__(NTX_NORM_THREADS) add_rmsnorm_quant
     const bool pre = NTX_NORM_PRE_WAIT && ntx_norm_in_regs(k);
     if (pre) ntx_norm_weights(w, k, wv);
     NTX_PDL();
+    NTX_SKIP_KIND(1);
     __shared__ double part[32];
     const size_t r = blockIdx.x;
     if (qmode == 1 && blockDim.x == NTX_NORM_THREADS && k <= NTX_NORM_REGS * NTX_NORM_THREADS) {

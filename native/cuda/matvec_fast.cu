@@ -37,6 +37,7 @@ __device__ void matvec_fast(const uint8_t* __restrict__ W, const int8_t* __restr
         uint4 pre[NTX_PRE_SLOTS];                                                                   \
         if (NTX_PRE_WAIT && row < rows) fast_row_start<F>(W, row, k, pre);                          \
         NTX_PDL();                                                                                  \
+        NTX_SKIP_KIND(8);                                                                           \
         matvec_fast<F, N>(W, xq, xd, xs, Y, rows, k, n, pre);                                       \
     }
 
@@ -50,12 +51,14 @@ NTX_FAST(FastQ8_0, q8_0, 8)
 // --- activations as int8 + per-32 scale and sum (blocks: matvec_fast.cuh) -------------------
 extern "C" __global__ void quanti_q8_1(const float* x, int8_t* xq, float* xd, float* xs, int nblocks) {
     NTX_PDL();
+    NTX_SKIP_KIND(4);
     const int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (b < nblocks) quanti_q8_1_block(x, xq, xd, xs, b, lane);  // b is the same for the whole warp
 }
 
 extern "C" __global__ void quanti_q8_k(const float* x, int8_t* xq, float* xd, float* xs, int nblocks) {
     NTX_PDL();
+    NTX_SKIP_KIND(4);
     const int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (b < nblocks) quanti_q8_k_block(x, xq, xd, xs, b, lane);
 }

@@ -1,4 +1,4 @@
-// Decode matvecs (one activation row) of Q4_K weights with the activations in registers
+// Decode matvecs (one activation row) of Q4_K weights (and Q6_K rows of k <= 4096) with the activations in registers
 // (matvec_reg.cuh): the plain product, the gate/up pair with swiglu, and the q/k/v launch, whose
 // weights of other types take matvec_fast.cuh's one-warp rows in the same launch. Each gives a row
 // the bits matvecr_<type> gives it (and fast_row_any the bits matvecf_* gives a row of another
@@ -28,6 +28,7 @@ __device__ __forceinline__ void reg_plain(const uint8_t* __restrict__ W, const i
     typename R::W cur[PPW];
     if (n > 0) reg_row_load<R, PPW>(ptr(0), t, cur);
     NTX_PDL();
+    NTX_SKIP_KIND(8);
     if (n == 0) return;  // the whole team leaves together
     typename R::template Acts<PPW> a;
     R::template acts<PPW>(xq, xd, xs, t.p0, t.nb, t.lane, a);
@@ -49,6 +50,7 @@ __device__ __forceinline__ void reg_swiglu(const uint8_t* __restrict__ Wg, const
     typename R::W cur[PPW];
     if (n > 0) reg_row_load<R, PPW>(ptr(0), t, cur);
     NTX_PDL();
+    NTX_SKIP_KIND(8);
     if (n == 0) return;
     typename R::template Acts<PPW> a;
     R::template acts<PPW>(xq, xd, xs, t.p0, t.nb, t.lane, a);
@@ -102,6 +104,7 @@ __device__ __forceinline__ void reg_multi(const uint8_t* W0, const uint8_t* W1, 
         first += rs[s];
     }
     NTX_PDL();
+    NTX_SKIP_KIND(8);
     first = 0;
 #pragma unroll
     for (int s = 0; s < 3; ++s) {
@@ -143,5 +146,8 @@ __device__ __forceinline__ void reg_multi(const uint8_t* W0, const uint8_t* W1, 
 
 NTX_REG_TYPE(RegQ4K, q4_k, 1)
 NTX_REG_TYPE(RegQ4K, q4_k, 2)
+#if NTX_Q6_PAIR
+NTX_REG_TYPE(RegQ6K, q6_k, 2)  // k <= 4096 only (WK = 1)
+#endif
 NTX_REG_MULTI(1)
 NTX_REG_MULTI(2)

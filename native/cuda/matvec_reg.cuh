@@ -116,9 +116,9 @@ __device__ __forceinline__ float q4k_pair(const Q4KW& w, int c, const int* x, fl
     return q4k_combine(w, c, q4k_unit_sum(w, 0, x), q4k_unit_sum(w, 1, x + 8), xd, xs);
 }
 
-// --- the type the teams stream (an interface for more: R::W, a pass's loads in flight;
-// R::Acts<PPW>; load, acts, and add, a pass's terms onto the lane's sum in the one order every
-// kernel uses; add_token, reg_row_n's form with one token's activations loaded for it)
+// --- the types the teams stream: R::W, a pass's loads in flight; R::Acts<PPW>; load, acts, and
+// add, a pass's terms onto the lane's sum in the one order every kernel uses; RegQ4K::add_token,
+// reg_row_n's form with one token's activations loaded for it)
 struct RegQ4K {
     typedef Q4KW W;
     template <int PPW>
@@ -151,6 +151,69 @@ struct RegQ4K {
         add<1>(acc, w, a, 0, p, nb, lane, nullptr);
     }
 };
+
+#if NTX_Q6_PAIR
+// Q6_K rows of at most two 8-block groups (k <= 4096: the output matrix, v; cuda_kernels.reg_shape)
+// with one warp a row (WK = 1): a pass is one group (1680 bytes, 16-byte aligned where the row
+// is). A 210-byte block is only 2-byte aligned, so the warp loads the group in 16-byte chunks
+// (lane, lane + 32, ...) and stages it in its shared memory; lane l decodes item l % 4 of block
+// l / 4 (FastQ6_K::pair: units s and s + 2), as matvecf_q6_k's lanes do for such a row, and adds
+// the same terms in the same order: the same bits (tests/cuda/test_reg_gpu.py). Wider rows stay
+// on matvecf_q6_k, which was faster there (docs/cuda.md, session 9).
+#define NTX_Q6_GROUP 1680
+struct Q6KW {
+    uint4 c[4];  // chunks lane, lane + 32, lane + 64, lane + 96 (< 105) of the group
+};
+
+template <int PPW>
+struct Q6KActs {
+    UnitX u[PPW][2];
+};
+
+struct RegQ6K {
+    typedef Q6KW W;
+    template <int PPW>
+    using Acts = Q6KActs<PPW>;
+    static const int BYTES = 210;
+    static __device__ __forceinline__ void load(const uint8_t* __restrict__ wrow, int p, int nb, int lane, W& w) {
+        if (8 * p >= nb) return;  // warp-uniform
+        const uint8_t* g = wrow + NTX_Q6_GROUP * (size_t)p;
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            if (16 * (lane + 32 * c) < NTX_Q6_GROUP) w.c[c] = __ldcs(reinterpret_cast<const uint4*>(g + 16 * (lane + 32 * c)));
+    }
+    template <int PPW>
+    static __device__ __forceinline__ void acts(const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                                                const float* __restrict__ xs, int p0, int nb, int lane, Acts<PPW>& a) {
+#pragma unroll
+        for (int e = 0; e < PPW; ++e) {
+            if (8 * (p0 + e) >= nb) continue;
+#pragma unroll
+            for (int kk = 0; kk < 2; ++kk) {
+                const int col32 = 8 * (8 * (p0 + e) + lane / 4) + FastQ6_K::unit_of(lane & 3, kk);
+                ldx(xq + 32 * (size_t)col32, a.u[e][kk].x);
+                a.u[e][kk].d = __ldg(xd + col32);
+                a.u[e][kk].s = __ldg(xs + col32);
+            }
+        }
+    }
+    // every lane of the warp calls it (st: the warp's stage, NTX_Q6_GROUP bytes at least)
+    template <int PPW>
+    static __device__ __forceinline__ void add(float& acc, const W& w, const Acts<PPW>& a, int e, int p, int nb,
+                                               int lane, uint8_t* st) {
+        if (8 * p >= nb) return;
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            if (16 * (lane + 32 * c) < NTX_Q6_GROUP) *reinterpret_cast<uint4*>(st + 16 * (lane + 32 * c)) = w.c[c];
+        __syncwarp();
+        float r[2];
+        FastQ6_K::pair(st + 210 * (lane / 4), lane & 3, a.u[e], r);
+        __syncwarp();
+        acc += a.u[e][0].d * r[0];
+        acc += a.u[e][1].d * r[1];
+    }
+};
+#endif
 
 // Where a warp stands in a register-activation launch: WK warps a team, teams a block.
 struct RegTeam {

@@ -33,6 +33,15 @@ typedef unsigned long long uint64_t;
 #define NTX_PDL() do {} while (0)
 #endif
 
+// NTX_SKIP (a benchmark's tool, default 0): a bit mask of decode kernel kinds that return right
+// after their PDL wait, so a graph step timed without a kind's work tells that work's share of the
+// step (scripts/bench_engine.py's skip=N variant). 1: the fused norm, 2: the grid attention, 4: the
+// activation quantizers, 8: the matvecs. The outputs are then garbage; nothing else reads it.
+#ifndef NTX_SKIP
+#define NTX_SKIP 0
+#endif
+#define NTX_SKIP_KIND(bit) do { if (NTX_SKIP & (bit)) return; } while (0)
+
 NTX_HD uint32_t ntx_f32_bits(float f) {
 #ifdef __CUDA_ARCH__
     return __float_as_uint(f);

@@ -76,11 +76,14 @@ def reg_build(defines: str | None = None) -> bool:
 def reg_shape(t: GGMLType, k: int, n: int, build: bool = True) -> tuple[int, int] | None:
     """(passes a warp PPW, warps a row WK) of matvec_reg.cu for n activation rows of k values
     (reg_ppw / reg_wk there), or None when its kernels do not take the product: they take one
-    row of Q4_K weights of at most 16 passes of 2048 values, in a build with them (reg_build).
+    row of Q4_K weights of at most 16 passes of 2048 values, or of Q6_K weights of one or two
+    2048-value groups, in a build with them (reg_build).
     Every other kernel adds such rows in the same order (reg_row_n), so this picks the launch,
     never the bits."""
-    if not build or n != 1 or t != GGMLType.Q4_K or k % 256:
+    if not build or n != 1 or t not in (GGMLType.Q4_K, GGMLType.Q6_K) or k % 256:
         return None
+    if t == GGMLType.Q6_K:  # one warp a row of one or two groups: matvecf_q6_k's bits (matvec_reg.cuh)
+        return (2, 1) if k % 2048 == 0 and k <= 4096 else None
     p = _cdiv(k // 256, 8)
     ppw = 2 if p <= 2 or p > 8 else 1
     wk = _cdiv(p, ppw)

@@ -36,8 +36,9 @@ def test_bench_variants():
     assert be.parse_variant("fast/grid/pdl/fuse/noq6pair")[-1] == ("-DNTX_Q6_PAIR=0",)
     assert be.parse_variant("fast/grid/pdl/fuse/noagpre")[-1] == ("-DNTX_AG_PRE_WAIT=0",)
     assert be.parse_variant("fast/grid/pdl/fuse/nonormpre")[-1] == ("-DNTX_NORM_PRE_WAIT=0",)
+    assert be.parse_variant("fast/grid/pdl/fuse/noreg/skip=10")[-1] == ("-DNTX_REG=0", "-DNTX_SKIP=10")
     for bad in ("fast/split/turbo", "fast/split/async=4", "fast/split/preload", "fast/flash/pdl", "fast/grid/unroll",
-                "fast/grid/q4pair"):
+                "fast/grid/q4pair", "fast/grid/skip=attn", "fast/grid/skip="):
         with pytest.raises(argparse.ArgumentTypeError):
             be.parse_variant(bad)
 
