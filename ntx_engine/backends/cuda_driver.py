@@ -137,6 +137,22 @@ class MemoryPool:
     def release(self, ptr: int, nbytes: int) -> None:
         self.free.setdefault(max(nbytes, 4), []).append(ptr)
 
+    def trim(self) -> None:
+        """cuMemFree every recycled buffer (cuMemFree waits for the work that may still use it)."""
+        for nbytes, ptrs in self.free.items():
+            while ptrs:
+                check(driver().cuMemFree(ptrs.pop()), "cuMemFree")
+                self.allocated -= nbytes
+
+    def __del__(self) -> None:
+        # a pool dies after every array it handed out (each holds it): all its buffers are in
+        # `free`. Without this a process that makes backend after backend (a benchmark of many
+        # variants) kept every one's memory until cuMemAlloc failed.
+        try:
+            self.trim()
+        except Exception:  # noqa: BLE001 (the context may be gone at interpreter exit)
+            pass
+
 
 class DeviceArray:
     """A C-contiguous device buffer with a numpy-like shape and dtype. Row slices are views."""
@@ -146,8 +162,8 @@ class DeviceArray:
         self.shape, self.dtype = tuple(int(s) for s in shape), np.dtype(dtype)
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
         self.pool, self.base = pool, base
-        self._owner = base is None
         self.ptr = pool.alloc(self.nbytes) if ptr is None else ptr
+        self._owner = base is None  # set once ptr is: a failed cuMemAlloc leaves nothing to release
         if pool.keep is not None:
             pool.keep.append(self)
 
