@@ -245,6 +245,15 @@ def attention_table(backend, contexts=(576, 2048, 4096, 8192), l2_bytes: int = 1
                 runs.append((f"attn_grid {nb} blocks a KV head, {shape[2]} positions a block at least",
                              lambda kc, vc, g=grid, sh=shape: k.attention_grid(q, kc, vc, o, pos, n_head, n_kv, hd, sh,
                                                                                scale, g, b.stream)))
+        if b.device.cc >= (9, 0):  # the cluster form (sm_90): C blocks a KV head in one cluster
+            from ntx_engine.backends.cuda_kernels import CLUSTER_SIZES
+
+            for cl in CLUSTER_SIZES:
+                shape = grid_attn_shape(n_head, n_kv, hd, t, b.device.sm_count, b.device.max_smem_optin,
+                                        minr=minrs[0], cluster=cl)
+                runs.append((f"attn_cl{cl} ({cl} blocks a KV head, one cluster)",
+                             lambda kc, vc, sh=shape, g=grid, cl=cl: k.attention_grid(
+                                 q, kc, vc, o, pos, n_head, n_kv, hd, sh, scale, g, b.stream, cluster=cl)))
         for name, fn in runs:
             fns = [lambda kc=kc, vc=vc, fn=fn: fn(kc, vc) for kc, vc in caches * 2]
             us = graph_us(b, fns)

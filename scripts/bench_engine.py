@@ -6,7 +6,7 @@ JSON out and a short table last (the form the lent-GPU runs record in docs/bench
     python scripts/bench_engine.py --synthetic llama3-8b:q4_k_m llama3-8b:q8_0 \\
         --variant fast/split/pdl fast/split staged/single --json out.json
 
-A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg][/skip=N]: MATVEC
+A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg][/skip=N][/cl=C]: MATVEC
 fast|staged|direct, ATTN grid|split|single, pdl = Hopper programmatic dependent launch, fuse = the fused kernels
 (all, or the named ones of cuda_backend.FUSIONS: qkv, ffn, rope, norm, attn; without it, none), mmq = prefill matmuls
 on the int8 tensor cores (mmq.cu), gemm / nogemm = prefill matmuls as fp16 cuBLAS GEMMs (dequant.cu) or not
@@ -19,6 +19,7 @@ noreg = the build without matvec_reg.cu: Q4_K rows in the dp4a kernels' own orde
 (-DNTX_REG=0, matvec_reg.cuh; cuda_kernels.reg_build reads it too). skip=N (a bit mask: 1 the fused norm, 2 the
 grid attention, 4 the activation quantizers, 8 the matvecs) = those kernels return right after their PDL wait
 (-DNTX_SKIP=N, ntx_half.cuh): the step's time without that work, to place the step's time; its output is garbage.
+cl=C = the grid attention's cluster form, C blocks a KV head (NTX_CUDA_GRID_CLUSTER=C; 0: the grid form).
 --prefill-chunk: tokens per prefill pass. Each (model, variant) is
 bench_cuda.run (its docstring says how bytes per token and the bound are counted).
 --kernels adds bench_cuda.kernel_table: each decode kernel's own GPU time at 8B shapes.
@@ -41,7 +42,7 @@ OFF_MACROS = {"noprewait": "-DNTX_PRE_WAIT=", "nopair": "-DNTX_SWIGLU_PAIR=", "n
               "noagpre": "-DNTX_AG_PRE_WAIT=", "nonormpre": "-DNTX_NORM_PRE_WAIT=", "noreg": "-DNTX_REG="}
 
 
-def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None, tuple[str, ...]]:
+def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None, tuple[str, ...], tuple[tuple[str, str], ...]]:
     parts = text.split("/")
     flags = set(parts[2:])
     fuse = next((f for f in flags if f == "fuse" or f.startswith("fuse=")), "none")
@@ -49,17 +50,20 @@ def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None, tup
     fuse = "all" if fuse == "fuse" else fuse.removeprefix("fuse=").replace("+", ",")
     skip = next((f for f in flags if f.startswith("skip=")), None)
     flags.discard(skip)
+    cl = next((f for f in flags if f.startswith("cl=")), None)
+    flags.discard(cl)
+    env = (("NTX_CUDA_GRID_CLUSTER", cl.removeprefix("cl=")),) if cl is not None else ()
     if skip is not None and not skip.removeprefix("skip=").isdigit():
         raise argparse.ArgumentTypeError(f"variant {text!r}: skip=N takes a bit mask (1 norm, 2 attention, 4 quantizers, 8 matvecs)")
     if len(parts) < 2 or parts[0] not in ("fast", "staged", "direct") or parts[1] not in ("grid", "split", "single") \
             or not flags <= {"pdl", "mmq", "gemm", "nogemm", *OFF_MACROS}:
         raise argparse.ArgumentTypeError(f"variant {text!r}: expected MATVEC/ATTN[/pdl][/fuse[=A+B]][/mmq][/gemm|/nogemm]"
-                                         "[/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg], e.g. fast/grid/pdl/fuse")
+                                         "[/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg][/skip=N][/cl=C], e.g. fast/grid/pdl/fuse")
     gemm = "1" if "gemm" in flags else "0" if "nogemm" in flags else None
     defines = tuple(f"{m}0" for f, m in OFF_MACROS.items() if f in flags)
     if skip is not None:
         defines += (f"-DNTX_SKIP={int(skip.removeprefix('skip='))}",)
-    return parts[0], parts[1], "pdl" in flags, fuse, "mmq" in flags, gemm, defines
+    return parts[0], parts[1], "pdl" in flags, fuse, "mmq" in flags, gemm, defines, env
 
 
 VARIANT_MACROS = (*OFF_MACROS.values(), "-DNTX_SKIP=")
@@ -119,15 +123,20 @@ def main(argv: list[str] | None = None) -> int:
             a.json.write_text(json.dumps({"kernels": kernels, "runs": results}, indent=1) + "\n")
     for spec in a.synthetic:
         path = bench_cuda.synthetic_model(spec, a.workdir)
-        for matvec, attn, pdl, fuse, mmq, gemm, defines in a.variant:
-            own = os.environ.get("NTX_CUDA_DEFINES", "")
+        for matvec, attn, pdl, fuse, mmq, gemm, defines, env in a.variant:
+            own = {name: os.environ.get(name) for name in ("NTX_CUDA_DEFINES", *(n for n, _ in env))}
             os.environ["NTX_CUDA_DEFINES"] = variant_defines(defines)  # read when the backend compiles
+            os.environ.update(env)  # read when the backend is made
             try:
                 results.append(bench_cuda.run(path, a.prompt, a.decode, a.n_ctx, matvec, attn, pdl, fuse, a.plain,
                                               mmq, gemm=gemm, prefill_chunk=a.prefill_chunk))
             finally:
-                os.environ["NTX_CUDA_DEFINES"] = own
-            results[-1]["defines"] = list(defines)
+                for name, value in own.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
+            results[-1]["defines"] = list(defines) + [f"{n}={v}" for n, v in env]
             print(table(results[-1:], top=0), flush=True)
             if a.json:  # after every run, so a time-out still leaves the finished ones
                 a.json.write_text(json.dumps({"kernels": kernels, "runs": results}, indent=1) + "\n")

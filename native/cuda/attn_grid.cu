@@ -22,6 +22,13 @@
 // stores k and v into the caches (rope_kv's work; one launch less a layer), all bit for bit as
 // rope_kv. The group size may be fixed at compile time (attn_grid_<V>_g<G>): a third of the code.
 //
+// Cluster form (attn_cl<C>_*, sm_90): the nb = C blocks of a KV head are one thread-block cluster.
+// The statistics and the partial p.V sums stay in each block's shared memory and the blocks read
+// each other's through the cluster's distributed shared memory after a cluster barrier (hardware),
+// instead of global scratch, a counter barrier and a last block: the same values combined in the
+// same order, so both forms give the same bits. Each block then sums and quantizes its share of
+// the head's output (whole quantization blocks), and no block leaves while another may read it.
+//
 // The barrier needs every block of the grid resident at once: the host sizes the grid to at most
 // the blocks an SM holds (two, by the launch bounds and the occupancy calculator;
 // cuda_kernels.grid_attn_shape), and a block waits at most AG_DEADLINE_NS before
@@ -64,6 +71,31 @@ __device__ void group_barrier(unsigned int* ctr, unsigned int target) {
     }
     __syncthreads();
 }
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define AG_CLUSTERS 1
+// Every thread of every block of the cluster: the shared-memory writes before it are visible to
+// the cluster's blocks after it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+// The address of the same shared variable in block `rank` of the cluster (a generic pointer).
+template <typename T>
+__device__ __forceinline__ const T* cluster_peer(const T* p, int rank) {
+    unsigned long long r;
+    asm volatile("mapa.u64 %0, %1, %2;" : "=l"(r) : "l"(p), "r"(rank));
+    return reinterpret_cast<const T*>(r);
+}
+#else
+#define AG_CLUSTERS 0
+__device__ __forceinline__ void cluster_sync() {}
+__device__ __forceinline__ void cluster_arrive() {}
+__device__ __forceinline__ void cluster_wait() {}
+template <typename T>
+__device__ __forceinline__ const T* cluster_peer(const T* p, int) { return p; }
+#endif
 
 // K rows of the warp's positions base + warp + AG_WARPS * j (j < KP), lane's V values each.
 template <int V, int KP>
@@ -138,6 +170,23 @@ __device__ __forceinline__ void group_stats(const float* cmax, const double* psu
     __syncthreads();
 }
 
+// group_stats with block b's maximum and sum in its shared memory (bm, bs) instead of global scratch.
+__device__ __forceinline__ void group_stats_cl(const float* bm, const double* bs, int G, int nact, float* gm,
+                                               double* gs) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int g = warp; g < G; g += AG_WARPS) {
+        const float m = lane < nact ? cluster_peer(bm, lane)[g] : -3.402823466e38f;
+        const double part = lane < nact ? cluster_peer(bs, lane)[g] : 0.0;
+        const float M = warp_max(m);
+        const double t = warp_sum_d(lane < nact ? exp((double)m - (double)M) * part : 0.0);
+        if (lane == 0) {
+            gm[g] = M;
+            gs[g] = t;
+        }
+    }
+    __syncthreads();
+}
+
 // The fused RoPE (rope_kv's work for one decode token): the raw k and v rows of the token, the
 // frequency factors and the rope parameters (ops.cuh's ntx_rope_pair). k == nullptr: q arrives
 // rotated and the cache already holds the new position.
@@ -177,26 +226,103 @@ __device__ __forceinline__ void store_new_kv(const RopeIn& ri, size_t col, int h
     for (int i = threadIdx.x; i < hd; i += AG_THREADS) vnew[i] = vc[dst + i] = ntx_f2h(ri.v[col + i]);
 }
 
-template <int V, int GC>
+// The grid form's last step: the block's p.V sums into part, and the head's last block to arrive
+// adds every block's parts in block order and quantizes the head's output.
+__device__ __forceinline__ void grid_sum(float* qa, int G, int hd, int h0, int nb, int nact, int c, int n_kv,
+                                         int kvh, float* part, unsigned int* ctr, float* out, int8_t* xq, float* xd,
+                                         float* xs, int qmode) {
+    __shared__ bool last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int i = threadIdx.x; i < G * hd; i += AG_THREADS)
+        part[((size_t)(h0 + i / hd) * nb + c) * hd + i % hd] = qa[i];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ctr + n_kv + kvh, 1u) == (unsigned int)(nact - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < G * hd; i += AG_THREADS) {  // the blocks' parts, in block order
+        const float* pp = part + (size_t)(h0 + i / hd) * nb * hd + i % hd;
+        float v[AG_NBMAX];
+#pragma unroll
+        for (int b = 0; b < AG_NBMAX; ++b)
+            if (b < nact) v[b] = __ldcg(pp + (size_t)b * hd);
+        float s = 0.f;
+#pragma unroll
+        for (int b = 0; b < AG_NBMAX; ++b)
+            if (b < nact) s += v[b];
+        out[(size_t)h0 * hd + i] = s;
+        qa[i] = s;
+    }
+    if (threadIdx.x == 0) {  // every block of the group is past the barrier: zero for the next launch
+        ctr[kvh] = 0u;
+        ctr[n_kv + kvh] = 0u;
+    }
+    if (qmode == 0) return;
+    __syncthreads();
+    const int per = qmode == 2 ? 256 : 32, b0 = h0 * hd / per, nq = G * hd / per;
+    for (int b = warp; b < nq; b += AG_WARPS) {
+        if (qmode == 2) quanti_q8_k_from(qa + b * per, xq, xd, xs, b0 + b, lane);
+        else quanti_q8_1_from(qa + b * per, xq, xd, xs, b0 + b, lane);
+    }
+}
+
+// The cluster form's last step: the head's output (len values) as the sum over blocks 0..nact-1, in
+// that order, of each block's p.V sums (qa in its shared memory), as the grid form's last block
+// adds the parts. Block c takes the whole quantization blocks (256 values for qmode 2, else 32)
+// u = c, c + CL, ...: it writes their sums to out and quantizes them from its own buffer. q0: the
+// head's first value in the row (its quantization blocks' numbering).
+template <int CL>
+__device__ __forceinline__ void cluster_sum(const float* qa, int len, int nact, int c, float* out, int q0, int8_t* xq,
+                                            float* xd, float* xs, int qmode) {
+    __shared__ float res[256];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, per = qmode == 2 ? 256 : 32;
+    for (int u = c; u * per < len; u += CL) {
+        __syncthreads();  // res is free again
+        for (int i = threadIdx.x; i < per; i += AG_THREADS) {
+            float v[CL];
+#pragma unroll
+            for (int b = 0; b < CL; ++b)
+                if (b < nact) v[b] = cluster_peer(qa, b)[u * per + i];
+            float s = 0.f;
+#pragma unroll
+            for (int b = 0; b < CL; ++b)
+                if (b < nact) s += v[b];
+            out[u * per + i] = s;
+            res[i] = s;
+        }
+        __syncthreads();
+        if (qmode != 0 && warp == 0) {
+            if (qmode == 2) quanti_q8_k_from(res, xq, xd, xs, (q0 + u * per) / 256, lane);
+            else quanti_q8_1_from(res, xq, xd, xs, (q0 + u * per) / 32, lane);
+        }
+    }
+    cluster_arrive();  // this block reads no other's memory now; it leaves when no other reads its own
+    cluster_wait();
+}
+
+template <int V, int GC, int CL = 0>
 __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restrict__ kc,
                           const uint16_t* __restrict__ vc, float* out, const int* __restrict__ pos, int n_head,
                           int n_kv, int nb, int rmax, int minr, float scale, float* cmax, double* psum, float* part,
                           unsigned int* ctr, int8_t* xq, float* xd, float* xs, int qmode, const RopeIn ri) {
     // GC: the GQA group size when fixed at compile time (0: n_head / n_kv at run time, up to
-    // AG_GMAX): the head loops then have fixed trip counts, a fraction of the generic kernel's code
+    // AG_GMAX): the head loops then have fixed trip counts, a fraction of the generic kernel's code.
+    // CL: the cluster form's blocks a KV head (0: the grid form); nb == CL then.
     constexpr int hd = 32 * V, D2 = hd / 2, PG = AG_THREADS / D2, KP = V >= 8 ? 4 : 8, GM = GC ? GC : AG_GMAX;
     extern __shared__ float sc[];  // G * rmax: scores, then exp(s - M), then the fp16 probabilities
     __shared__ float qa[AG_QMAX];  // the group's q (fp16-rounded), later its p.V sums
     __shared__ float wm[AG_WARPS][AG_GMAX], bm[AG_GMAX], gm[AG_GMAX];
-    __shared__ double gs[AG_GMAX];
-    __shared__ bool last;
+    __shared__ double gs[AG_GMAX], bs[AG_GMAX];
     __shared__ __align__(16) uint16_t knew[32 * 8], vnew[32 * 8];  // the new position's K and V rows (fp16)
     const bool pre = NTX_AG_PRE_WAIT && ri.k != nullptr;  // the same in every block
     if (!pre) NTX_PDL();
     const int G = GC ? GC : n_head / n_kv, c = blockIdx.x, kvh = blockIdx.y, h0 = kvh * G, T = pos[0] + 1;
     // positions a block: at least minr (<= rmax), so short contexts use fewer blocks
     const int R = max((T + nb - 1) / nb, minr), nact = (T + R - 1) / R;
-    if (c >= nact) return;  // a short context: fewer blocks, none of them counted
+    // a short context: fewer blocks, none of them counted (the cluster form's others come along to
+    // its barriers with no positions: p0 >= T, so every loop below is empty)
+    if (!CL && c >= nact) return;
     const int p0 = c * R, p1 = min(p0 + R, T), n = p1 - p0, kv_dim = n_kv * hd;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, dt = threadIdx.x % D2, pg = threadIdx.x / D2;
     const size_t col = (size_t)kvh * hd;
@@ -234,17 +360,25 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
         float mm = wm[0][threadIdx.x];
         for (int w = 1; w < AG_WARPS; ++w) mm = fmaxf(mm, wm[w][threadIdx.x]);
         bm[threadIdx.x] = mm;
-        cmax[(size_t)(h0 + threadIdx.x) * nb + c] = mm;
+        if (!CL) cmax[(size_t)(h0 + threadIdx.x) * nb + c] = mm;
     }
     __syncthreads();
     for (int g = warp; g < G; g += AG_WARPS) {  // this block's double sum of exp(s - its max)
         double sum = 0.0;
         for (int j = lane; j < n; j += 32) sum += (double)expf(sc[g * rmax + j] - bm[g]);
         sum = warp_sum_d(sum);
-        if (lane == 0) psum[(size_t)(h0 + g) * nb + c] = sum;
+        if (lane == 0) {
+            if (CL) bs[g] = sum;
+            else psum[(size_t)(h0 + g) * nb + c] = sum;
+        }
     }
-    group_barrier(ctr + kvh, nact);
-    group_stats(cmax, psum, h0, G, nb, nact, gm, gs);
+    if (CL) {
+        cluster_sync();
+        group_stats_cl(bm, bs, G, nact, gm, gs);
+    } else {
+        group_barrier(ctr + kvh, nact);
+        group_stats(cmax, psum, h0, G, nb, nact, gm, gs);
+    }
     for (int g = 0; g < G; ++g)  // p = fp16(exp(s - M) / sum), M the global max
         for (int j = threadIdx.x; j < n; j += AG_THREADS)
             sc[g * rmax + j] = ntx_round_f16((float)((double)expf(sc[g * rmax + j] - gm[g]) / gs[g]));
@@ -283,39 +417,14 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
         }
         __syncthreads();
     }
-    for (int i = threadIdx.x; i < G * hd; i += AG_THREADS)
-        part[((size_t)(h0 + i / hd) * nb + c) * hd + i % hd] = qa[i];
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(ctr + n_kv + kvh, 1u) == (unsigned int)(nact - 1);
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int i = threadIdx.x; i < G * hd; i += AG_THREADS) {  // the blocks' parts, in block order
-        const float* pp = part + (size_t)(h0 + i / hd) * nb * hd + i % hd;
-        float v[AG_NBMAX];
-#pragma unroll
-        for (int b = 0; b < AG_NBMAX; ++b)
-            if (b < nact) v[b] = __ldcg(pp + (size_t)b * hd);
-        float s = 0.f;
-#pragma unroll
-        for (int b = 0; b < AG_NBMAX; ++b)
-            if (b < nact) s += v[b];
-        out[(size_t)h0 * hd + i] = s;
-        qa[i] = s;
-    }
-    if (threadIdx.x == 0) {  // every block of the group is past the barrier: zero for the next launch
-        ctr[kvh] = 0u;
-        ctr[n_kv + kvh] = 0u;
-    }
-    if (qmode == 0) return;
-    __syncthreads();
-    const int per = qmode == 2 ? 256 : 32, b0 = h0 * hd / per, nq = G * hd / per;
-    for (int b = warp; b < nq; b += AG_WARPS) {
-        if (qmode == 2) quanti_q8_k_from(qa + b * per, xq, xd, xs, b0 + b, lane);
-        else quanti_q8_1_from(qa + b * per, xq, xd, xs, b0 + b, lane);
+    if constexpr (CL != 0) {
+        cluster_sync();  // every block's p.V sums (qa) are in place
+        cluster_sum<CL>(qa, G * hd, nact, c, out + (size_t)h0 * hd, h0 * hd, xq, xd, xs, qmode);
+    } else {
+        grid_sum(qa, G, hd, h0, nb, nact, c, n_kv, kvh, part, ctr, out, xq, xd, xs, qmode);
     }
 }
+
 
 #define NTX_GRID_ATTN(V, GC, name)                                                                                \
     extern "C" __global__ void __launch_bounds__(AG_THREADS, 2)                                                   \
@@ -328,6 +437,17 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
                          xs, qmode, ri);                                                                          \
     }
 
+#define NTX_CLUSTER_ATTN(V, GC, CL, name)                                                                         \
+    extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(AG_THREADS, 2)                        \
+    name(const float* q, const uint16_t* kc, const uint16_t* vc, float* out, const int* pos, int n_head,          \
+         int n_kv, int nb, int rmax, int minr, float scale, float* cmax, double* psum, float* part,              \
+         unsigned int* ctr, int8_t* xq, float* xd, float* xs, int qmode, const float* rk, const float* rv,        \
+         const float* ff, int rope_dim, float rscale, float freq_scale, int neox) {                               \
+        const RopeIn ri = {rk, rv, ff, rope_dim, rscale, freq_scale, neox};                                       \
+        grid_attn<V, GC, CL>(q, kc, vc, out, pos, n_head, n_kv, CL, rmax, minr, scale, cmax, psum, part, ctr, xq, \
+                             xd, xs, qmode, ri);                                                                  \
+    }
+
 // any GQA group size (n_head / n_kv <= AG_GMAX), by head_dim
 NTX_GRID_ATTN(2, 0, attn_grid_2)  // head_dim 64
 NTX_GRID_ATTN(3, 0, attn_grid_3)  // 96
@@ -338,3 +458,8 @@ NTX_GRID_ATTN(8, 0, attn_grid_8)  // 256
 NTX_GRID_ATTN(4, 4, attn_grid_4_g4)
 NTX_GRID_ATTN(4, 8, attn_grid_4_g8)
 NTX_GRID_ATTN(2, 3, attn_grid_2_g3)
+#if AG_CLUSTERS
+// the cluster form (sm_90) for the same pairs, 8 or 16 blocks a KV head (cuda_kernels.CLUSTER_SIZES)
+NTX_CLUSTER_ATTN(4, 4, 8, attn_cl8_4_g4)
+NTX_CLUSTER_ATTN(4, 4, 16, attn_cl16_4_g4)
+#endif

@@ -26,7 +26,8 @@ from ntx_common.errors import UnsupportedQuantError, UsageError
 from ntx_engine import quants
 from ntx_engine.backends.cuda_driver import DeviceArray, MemoryPool, Stream, Device, download, upload
 from ntx_engine.backends.cuda_kernels import (ATTN_CHUNK, BLOCK_ELEMENTS, KERNEL_TYPES, MATVEC_MAX_TOKENS, MMQ_TYPES,
-                                             Kernels, fast_matvec_ok, gqa_split_ok, grid_attn_shape)
+                                             CLUSTER_MAX_T, Kernels, fast_matvec_ok, gqa_split_ok,
+                                             grid_attn_shape, grid_cluster_size)
 from ntx_engine.config import ROPE_NEOX, ModelConfig
 from ntx_engine.quants import GGMLType
 
@@ -388,7 +389,7 @@ class CudaBackend:
         self.flush()
         self._check_room(start, n)
         self._stage_positions(positions)
-        if n == 1 and self.attn == "grid" and self._grid_shape() is not None:  # the grid kernel does rope_kv's work
+        if n == 1 and self.attn == "grid" and self._grid_shape(self._attn_form()) is not None:  # it does rope_kv's work
             rope = (k, v, self.rope_ff, c.rope_dim, self.rope_scale, c.rope_freq_scale, int(c.rope_type == ROPE_NEOX))
             return self._attend(q, layer, rope)
         qr = self._new(*q.shape)
@@ -409,13 +410,15 @@ class CudaBackend:
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         out = self._new(n, c.q_dim)
         scale = float(np.float32(1.0 / np.sqrt(c.head_dim)))
-        grid = self._grid_shape() if self.attn == "grid" and n == 1 else None
+        form = self._attn_form() if self.attn == "grid" and n == 1 else 0
+        grid = self._grid_shape(form) if self.attn == "grid" and n == 1 else None
         if grid is not None:
             nb = grid[0]
-            scratch = (self._new(c.n_head, nb), self._new(c.n_head, nb, dtype=np.float64),
-                       self._new(c.n_head, nb, c.head_dim), self._grid_counters)
+            scratch = (None, None, None, None) if form else (  # the cluster form keeps them in shared memory
+                self._new(c.n_head, nb), self._new(c.n_head, nb, dtype=np.float64),
+                self._new(c.n_head, nb, c.head_dim), self._grid_counters)
             self.k.attention_grid(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, grid, scale,
-                                  scratch, self.stream, self._attn_quant(out), rope)
+                                  scratch, self.stream, self._attn_quant(out), rope, form)
             self._last_attn = out
             return out
         if self.attn != "single" and n == 1 and gqa_split_ok(c.n_head, c.n_head_kv, c.head_dim):
@@ -431,15 +434,30 @@ class CudaBackend:
                          self.stream)
         return out
 
-    def _grid_shape(self) -> tuple[int, int] | None:
-        """The grid attention's (nb, rmax) for this model and n_ctx, None where it cannot run;
-        found once a model (it asks the occupancy calculator)."""
-        if self._grid is None:
+    def _grid_shape(self, cluster: int = 0) -> tuple[int, int] | None:
+        """The grid attention's (nb, rmax, minr) for this model and n_ctx, in the grid form
+        (cluster 0) or the cluster form of `cluster` blocks a KV head; None where it cannot run.
+        Found once a model and form (the grid form asks the occupancy calculator)."""
+        if cluster not in self._grid:
             c, dev = self._model(), self.k.device
-            per_sm = self.k.grid_per_sm(c.n_head, c.n_head_kv, c.head_dim, self.n_ctx)
-            self._grid = grid_attn_shape(c.n_head, c.n_head_kv, c.head_dim, self.n_ctx, dev.sm_count,
-                                         dev.max_smem_optin, per_sm) or ()
-        return self._grid or None
+            per_sm = 1 if cluster else self.k.grid_per_sm(c.n_head, c.n_head_kv, c.head_dim, self.n_ctx)
+            self._grid[cluster] = grid_attn_shape(c.n_head, c.n_head_kv, c.head_dim, self.n_ctx, dev.sm_count,
+                                                  dev.max_smem_optin, per_sm, cluster=cluster) or ()
+        return self._grid[cluster] or None
+
+    def _attn_form(self, pos: int | None = None) -> int:
+        """The decode attention's form at position pos (None: the staged one): the cluster form's
+        blocks a KV head where it runs (grid_cluster_size; up to CLUSTER_MAX_T positions, beyond
+        which the grid form's twice as many blocks are faster), else 0 (the grid form)."""
+        c = self._model()
+        pos = self._staged[0] if pos is None else pos
+        cl = grid_cluster_size(c.n_head, c.n_head_kv, c.head_dim, self.k.device.cc, self.k.grid_cluster)
+        return cl if cl and pos + 1 <= CLUSTER_MAX_T and self._grid_shape(cl) is not None else 0
+
+    def decode_form(self, start: int) -> tuple:
+        """What a decode step's launches depend on besides the buffers, at position start: a
+        captured step (DecodeGraph) replays only where this is the one it was captured with."""
+        return (self._attn_form(start) if self.attn == "grid" else 0,)
 
     def _attn_quant(self, out: DeviceArray) -> tuple | None:
         """"attn": (xq, xd, xs, qmode) for the decode attention to quantize out as the matmul
@@ -509,7 +527,7 @@ class CudaBackend:
                             upload(self.pool, np.zeros(cfg.n_head_kv, np.uint32), self.stream),
                             self._new(cfg.n_head), self._new(cfg.n_head, dtype=np.float64))
         # the grid attention's per-KV-head counters: its barrier, its last block (zero between launches)
-        self._grid: tuple | None = None  # _grid_shape's answer: None until asked, () when it cannot run
+        self._grid: dict[int, tuple] = {}  # _grid_shape's answers by form: () where it cannot run
         self._grid_counters = upload(self.pool, np.zeros(2 * cfg.n_head_kv, np.uint32), self.stream)
         self._last_attn, self._attn_key = None, None
         self.pos_buf = self._new(n_ctx, dtype=np.int32)

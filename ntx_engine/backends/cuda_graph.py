@@ -19,10 +19,13 @@ class DecodeGraph:
 
     def __init__(self, model: Any) -> None:
         self.model, self.b = model, model.backend
-        self.exec = None
+        self.exec = self.graph = None
         self.logits = None  # (1, vocab) device array written by each replay
         self.token = None  # (1,) int32 device array: argmax of the logits
         self._keep: list = []
+        # one capture for each decode form the steps have needed (the backend's decode_form: e.g.
+        # the attention's cluster form at short contexts, its grid form at long ones)
+        self._graphs: dict[tuple, tuple] = {}
 
     def forward(self, ids: np.ndarray, start: int, all_logits: bool = False, layers=None) -> np.ndarray:
         if len(ids) != 1 or all_logits or layers is not None:
@@ -45,8 +48,12 @@ class DecodeGraph:
         upload(b.pool, np.asarray([token], np.int32), b.stream, out=b.ids_buf)
         upload(b.pool, np.asarray([start], np.int32), b.stream, out=b.pos_buf)
         b._staged = (start,)
-        if self.exec is None:
+        form = b.decode_form(start) if hasattr(b, "decode_form") else ()
+        if form not in self._graphs:
+            self._keep = []
             self._capture(token, start)
+            self._graphs[form] = (self.exec, self.graph, self.logits, self.token, self._keep)
+        self.exec, self.graph, self.logits, self.token, self._keep = self._graphs[form]
         check(driver().cuGraphLaunch(self.exec, b.stream.handle), "cuGraphLaunch(decode step)")
 
     def _capture(self, token: int, start: int) -> None:

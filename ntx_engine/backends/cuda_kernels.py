@@ -38,6 +38,13 @@ GRID_NBMAX, GRID_MINR, GRID_STATIC_SMEM = 32, 16, 18 * 1024
 # (head_dim / 32, query heads a KV head) with a grid attention kernel of that fixed group size,
 # attn_grid_<V>_g<G> (fixed loop counts, a third of the generic kernel's code); others take attn_grid_<V>
 GRID_FIXED_GROUPS = ((4, 4), (4, 8), (2, 3))
+# the cluster form of the grid attention (attn_cl<C>_<V>_g<G>, sm_90 and later): C blocks a KV head
+# in one thread-block cluster; its layouts and cluster sizes, and its static shared memory
+CLUSTER_GROUPS, CLUSTER_SIZES, CLUSTER_STATIC_SMEM = ((4, 4),), (8, 16), 20 * 1024
+# the decode attention takes the cluster form up to this many positions: beyond, the grid form's
+# 32 blocks a KV head beat the cluster's 16 (H200, session 10: 8.60 against 10.13 us at 576
+# positions, 16.21 against 14.28 at 2048)
+CLUSTER_MAX_T = 1024
 # "fast" (default): matvec_fast.cu's dp4a kernels for FAST_TYPES, "staged" for the others;
 # "staged": blocks copied to shared memory with wide loads, float decode; "direct": byte loads
 MATVEC_VARIANTS = {"fast": "matvec", "staged": "matvec", "direct": "matvecd"}
@@ -97,19 +104,21 @@ def gqa_split_ok(n_head: int, n_kv: int, head_dim: int) -> bool:
 
 
 def grid_attn_shape(n_head: int, n_kv: int, head_dim: int, n_ctx: int, sm_count: int,
-                    smem_optin: int, per_sm: int = 1, minr: int | None = None) -> tuple[int, int, int] | None:
+                    smem_optin: int, per_sm: int = 1, minr: int | None = None,
+                    cluster: int = 0) -> tuple[int, int, int] | None:
     """(blocks a KV head, positions a block at most, positions a block at least) of the one-launch
     decode attention (attn_grid.cu), or None when it cannot run. Its blocks wait for each other
     inside the kernel, so the whole grid must be resident at once: at most per_sm blocks an SM
     (what the occupancy calculator allows them, Kernels.grid_per_sm); the scores of a block's
     positions must fit its shared memory (else the two split kernels take the layout). A token
-    at position T uses max(ceil(T / nb), minr) positions a block (minr: GRID_MINR)."""
+    at position T uses max(ceil(T / nb), minr) positions a block (minr: GRID_MINR). cluster: the
+    cluster form's blocks a KV head (grid_cluster_size), whose clusters need not be resident at once."""
     minr = GRID_MINR if minr is None else minr
-    if not gqa_split_ok(n_head, n_kv, head_dim) or n_kv > sm_count * per_sm:
+    if not gqa_split_ok(n_head, n_kv, head_dim) or (not cluster and n_kv > sm_count * per_sm):
         return None
-    nb = min(GRID_NBMAX, sm_count * per_sm // n_kv)
+    nb = cluster or min(GRID_NBMAX, sm_count * per_sm // n_kv)
     rmax = max(_cdiv(n_ctx, nb), minr)
-    if GRID_STATIC_SMEM + 4 * (n_head // n_kv) * rmax > smem_optin:
+    if (CLUSTER_STATIC_SMEM if cluster else GRID_STATIC_SMEM) + 4 * (n_head // n_kv) * rmax > smem_optin:
         return None
     return nb, rmax, minr
 
@@ -124,11 +133,34 @@ def grid_fixed_setting() -> bool:
     return text == "1"
 
 
-def grid_attn_kernel(n_head: int, n_kv: int, head_dim: int, fixed: bool | None = None) -> str:
+def grid_cluster_setting() -> int:
+    """NTX_CUDA_GRID_CLUSTER (default 16): the cluster form's blocks a KV head (one of
+    CLUSTER_SIZES), 0 for the grid form only."""
+    text = os.environ.get("NTX_CUDA_GRID_CLUSTER", "16")
+    if text not in ("0", *map(str, CLUSTER_SIZES)):
+        from ntx_common.errors import UsageError
+
+        raise UsageError(f"NTX_CUDA_GRID_CLUSTER must be 0 or one of {', '.join(map(str, CLUSTER_SIZES))}, "
+                         f"not {text!r}")
+    return int(text)
+
+
+def grid_cluster_size(n_head: int, n_kv: int, head_dim: int, cc: tuple[int, int], setting: int) -> int:
+    """The cluster form's blocks a KV head for this layout and GPU (compute capability cc), 0 where
+    the grid form runs: the setting, where the layout has a cluster kernel and the GPU clusters."""
+    if not setting or cc < (9, 0) or (head_dim // 32, n_head // n_kv) not in CLUSTER_GROUPS or head_dim % 32:
+        return 0
+    return setting
+
+
+def grid_attn_kernel(n_head: int, n_kv: int, head_dim: int, fixed: bool | None = None, cluster: int = 0) -> str:
     """The grid attention kernel for this head layout: the one with the group size fixed where
-    GRID_FIXED_GROUPS has it, unless fixed is False (None: grid_fixed_setting())."""
+    GRID_FIXED_GROUPS has it, unless fixed is False (None: grid_fixed_setting()); the cluster form
+    of cluster blocks a KV head where cluster is set (grid_cluster_size)."""
     fixed = grid_fixed_setting() if fixed is None else fixed
     v, g = head_dim // 32, n_head // n_kv
+    if cluster:
+        return f"attn_cl{cluster}_{v}_g{g}"
     return f"attn_grid_{v}_g{g}" if fixed and (v, g) in GRID_FIXED_GROUPS else f"attn_grid_{v}"
 
 
@@ -161,6 +193,8 @@ class Kernels:
         self.reg = reg_build()  # the defines the modules below are compiled with
         self.fast_rows = fast_rows()
         self.grid_fixed = grid_fixed_setting()  # read once: the grid attention launches every layer
+        self.grid_cluster = grid_cluster_setting()
+        self._nonportable: set[str] = set()  # cluster kernels allowed more than 8 blocks a cluster
 
     def fn(self, source: str, name: str):
         return self.modules[source].function(name)
@@ -381,19 +415,27 @@ class Kernels:
         return 2 if int(fits) >= 2 else 1
 
     def attention_grid(self, q, kc, vc, out, pos, n_head, n_kv, head_dim, shape, scale, scratch, stream,
-                       quant=None, rope=None) -> None:
+                       quant=None, rope=None, cluster: int = 0) -> None:
         """Decode attention of one token in one launch (attn_grid.cu), grid (nb, n_kv) for
         shape = (nb, rmax, minr) from grid_attn_shape. scratch = (cmax (n_head, nb) float32, psum
         (n_head, nb) float64, part (n_head, nb, head_dim) float32, 2 * n_kv uint32 counters that
         start at zero (the kernel leaves them so)); quant as attention_gqa's. rope = (k, v, ff,
         rope_dim, scale, freq_scale, neox): q, k, v are the token's rows before RoPE, and the kernel
-        also does rope_kv's work (the caches get the new position); None: q is rotated and stored."""
+        also does rope_kv's work (the caches get the new position); None: q is rotated and stored.
+        cluster: the cluster form's blocks a KV head (== nb; grid_cluster_size), 0 for the grid form
+        (the cluster form leaves cmax, psum, part and the counters alone)."""
         nb, rmax, minr = shape
         cmax, psum, part, counters = scratch
         xq, xd, xs, qmode = quant if quant is not None else (None, None, None, 0)
         rk, rv, ff, rope_dim, rscale, freq_scale, neox = rope if rope is not None else (None, None, None, 0, 0.0, 0.0, 0)
-        name, smem = grid_attn_kernel(n_head, n_kv, head_dim, self.grid_fixed), 4 * (n_head // n_kv) * rmax
-        self._allow_smem("attn_grid.cu", name, smem, GRID_STATIC_SMEM)
+        name, smem = grid_attn_kernel(n_head, n_kv, head_dim, self.grid_fixed, cluster), 4 * (n_head // n_kv) * rmax
+        self._allow_smem("attn_grid.cu", name, smem, CLUSTER_STATIC_SMEM if cluster else GRID_STATIC_SMEM)
+        if cluster > 8 and name not in self._nonportable:  # 8 blocks is the portable cluster size
+            drv = driver()
+            check(drv.cuFuncSetAttribute(self.fn("attn_grid.cu", name),
+                                         drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+                  f"cuFuncSetAttribute({name}, non-portable cluster size)")
+            self._nonportable.add(name)
         self._go("attn_grid.cu", name, (nb, n_kv), (ATTN_SPLIT_THREADS,),
                  (q, kc, vc, out, pos, n_head, n_kv, nb, rmax, minr, float(scale), cmax, psum, part, counters, xq, xd,
                   xs, int(qmode), rk, rv, ff, int(rope_dim), float(rscale), float(freq_scale), int(neox)), stream, smem)

@@ -27,16 +27,17 @@ def test_bench_variants():
     from tests.cuda.conftest import _load_script
 
     be = _load_script("bench_engine")
-    assert be.parse_variant("fast/split/pdl") == ("fast", "split", True, "none", False, None, ())
-    assert be.parse_variant("fast/split/pdl/fuse/mmq") == ("fast", "split", True, "all", True, None, ())
-    assert be.parse_variant("staged/single/fuse=qkv+ffn") == ("staged", "single", False, "qkv,ffn", False, None, ())
+    assert be.parse_variant("fast/split/pdl") == ("fast", "split", True, "none", False, None, (), ())
+    assert be.parse_variant("fast/split/pdl/fuse/mmq") == ("fast", "split", True, "all", True, None, (), ())
+    assert be.parse_variant("staged/single/fuse=qkv+ffn") == ("staged", "single", False, "qkv,ffn", False, None, (), ())
     assert be.parse_variant("fast/split/fuse/gemm")[5] == "1" and be.parse_variant("fast/split/nogemm")[5] == "0"
-    assert be.parse_variant("fast/grid/pdl/noprewait/nopair")[1:2] + be.parse_variant("fast/grid/noprewait/nopair")[-1:] \
+    assert be.parse_variant("fast/grid/pdl/noprewait/nopair")[1:2] + be.parse_variant("fast/grid/noprewait/nopair")[-2:-1] \
         == ("grid", ("-DNTX_PRE_WAIT=0", "-DNTX_SWIGLU_PAIR=0"))
-    assert be.parse_variant("fast/grid/pdl/fuse/noq6pair")[-1] == ("-DNTX_Q6_PAIR=0",)
-    assert be.parse_variant("fast/grid/pdl/fuse/noagpre")[-1] == ("-DNTX_AG_PRE_WAIT=0",)
-    assert be.parse_variant("fast/grid/pdl/fuse/nonormpre")[-1] == ("-DNTX_NORM_PRE_WAIT=0",)
-    assert be.parse_variant("fast/grid/pdl/fuse/noreg/skip=10")[-1] == ("-DNTX_REG=0", "-DNTX_SKIP=10")
+    assert be.parse_variant("fast/grid/pdl/fuse/noq6pair")[-2] == ("-DNTX_Q6_PAIR=0",)
+    assert be.parse_variant("fast/grid/pdl/fuse/noagpre")[-2] == ("-DNTX_AG_PRE_WAIT=0",)
+    assert be.parse_variant("fast/grid/pdl/fuse/nonormpre")[-2] == ("-DNTX_NORM_PRE_WAIT=0",)
+    assert be.parse_variant("fast/grid/pdl/fuse/noreg/skip=10")[-2] == ("-DNTX_REG=0", "-DNTX_SKIP=10")
+    assert be.parse_variant("fast/grid/pdl/fuse/cl=16")[-1] == (("NTX_CUDA_GRID_CLUSTER", "16"),)
     for bad in ("fast/split/turbo", "fast/split/async=4", "fast/split/preload", "fast/flash/pdl", "fast/grid/unroll",
                 "fast/grid/q4pair", "fast/grid/skip=attn", "fast/grid/skip="):
         with pytest.raises(argparse.ArgumentTypeError):

@@ -153,7 +153,8 @@ def test_rope_matches_numpy(cuda_backend, rope_type, rope_dim, freq_scale, freqs
     _rel_err(out, cpu.rope(x, pos, cfg.n_head), f"rope {rope_type} dim {rope_dim} fs {freq_scale} ff {freqs}", 1e-5)
 
 
-@pytest.mark.parametrize("attn", ["grid", "grid-1-per-sm", "grid-generic", "grid-minr48", "split", "single"])
+@pytest.mark.parametrize("attn", ["grid", "grid-form", "grid-cluster8", "grid-1-per-sm", "grid-generic", "grid-minr48",
+                                  "split", "single"])
 @pytest.mark.parametrize("head_dim,n_head,n_head_kv", [(64, 8, 2), (128, 4, 4), (64, 9, 3), (96, 6, 2), (256, 16, 2),
                                                       (128, 32, 8), (128, 16, 2), (80, 4, 2)])
 def test_attention_prefill_then_decode(cuda_backend, monkeypatch, head_dim, n_head, n_head_kv, attn):
@@ -161,8 +162,11 @@ def test_attention_prefill_then_decode(cuda_backend, monkeypatch, head_dim, n_he
     they do not take: head_dim 80); chunks of 64 positions: decode at 7, 8 (one partial chunk) and
     259 (five chunks, the last partial); GQA groups of 1 to 8 query heads, head_dim 64 to 256.
     "grid" takes the fixed-group kernels for (64, 3), (128, 4) and (128, 8); "grid-generic" the
-    generic one for every layout."""
+    generic one for every layout. For (128, 4) "grid" takes the cluster form, 16 blocks a KV head
+    (attn_cl16_4_g4; "grid-cluster8": 8), and "grid-form" and the other grid variants its grid form."""
     cfg = _cfg(head_dim=head_dim, n_head=n_head, n_head_kv=n_head_kv)
+    monkeypatch.setenv("NTX_CUDA_GRID_CLUSTER", {"grid": "16", "grid-cluster8": "8"}.get(attn, "0"))
+    attn = "grid" if attn in ("grid-form", "grid-cluster8") else attn
     if attn == "grid-1-per-sm":  # the grid kernel with half the blocks (one an SM)
         monkeypatch.setenv("NTX_CUDA_GRID_PER_SM", "1")
         attn = "grid"
@@ -187,8 +191,8 @@ def test_attention_prefill_then_decode(cuda_backend, monkeypatch, head_dim, n_he
             out = gpu.to_numpy(gpu.attention(gpu.from_numpy(q), gpu.from_numpy(k), gpu.from_numpy(v), layer, start))
             ran, gpu.k.profile = {name for name, *_ in gpu.k.profile}, None
             if n == 1 and head_dim != 80:  # the variant under test computed it
-                assert any(x.startswith({"grid": "attn_grid_", "split": "attn_gqa_", "single": "attention"}[attn])
-                           for x in ran), ran
+                assert any(x.startswith({"grid": ("attn_grid_", "attn_cl"), "split": "attn_gqa_",
+                                         "single": "attention"}[attn]) for x in ran), ran
             _rel_err(out, ref, f"attention {attn} hd {head_dim} {n_head}/{n_head_kv} n={n} start={start} layer {layer}", 1e-3)
         start += n
 
