@@ -42,8 +42,8 @@ GRID_FIXED_GROUPS = ((4, 4), (4, 8), (2, 3))
 # in one thread-block cluster; its layouts and cluster sizes, and its static shared memory
 CLUSTER_GROUPS, CLUSTER_SIZES, CLUSTER_STATIC_SMEM = ((4, 4),), (8, 16), 20 * 1024
 # the decode attention takes the cluster form up to this many positions: beyond, the grid form's
-# 32 blocks a KV head beat the cluster's 16 (H200, session 10: 8.60 against 10.13 us at 576
-# positions, 16.21 against 14.28 at 2048)
+# 32 blocks a KV head beat the cluster's 16 (H200, session 10, attention alone: 8.60 against
+# 10.80 us at 576 positions, 10.41 against 11.82 at 1024, 13.11 against 12.52 at 1280)
 CLUSTER_MAX_T = 1024
 # "fast" (default): matvec_fast.cu's dp4a kernels for FAST_TYPES, "staged" for the others;
 # "staged": blocks copied to shared memory with wide loads, float decode; "direct": byte loads
