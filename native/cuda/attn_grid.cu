@@ -149,23 +149,30 @@ __device__ __forceinline__ void scores(const uint16_t* kc, size_t col, int kv_di
     }
 }
 
+// Query head g's softmax max gm[g] and double exp sum gs[g] from the warp's lanes' (block lane's)
+// maximum m and sum part (lanes >= nact: the lowest float and 0): a fixed butterfly, the same value
+// in every block.
+__device__ __forceinline__ void group_stat(float m, double part, int g, int nact, float* gm, double* gs) {
+    const int lane = threadIdx.x & 31;
+    const float M = warp_max(m);
+    // a butterfly: 5 dependent steps (was 32 in block order), the same bits in every lane
+    const double t = warp_sum_d(lane < nact ? exp((double)m - (double)M) * part : 0.0);
+    if (lane == 0) {
+        gm[g] = M;
+        gs[g] = t;
+    }
+}
+
 // The group's softmax max gm and double exp sum gs from the nact blocks' maxima m_b and sums
 // S_b = sum exp(s - m_b) at vals[(h0 + g) * nb + b]: gm = max m_b, gs = sum_b exp(m_b - gm) S_b
-// by a fixed butterfly (the same value in every block); a warp a query head, a lane a block.
+// (group_stat); a warp a query head, a lane a block.
 __device__ __forceinline__ void group_stats(const float* cmax, const double* psum, int h0, int G, int nb, int nact,
                                             float* gm, double* gs) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int g = warp; g < G; g += AG_WARPS) {
         const size_t i = (size_t)(h0 + g) * nb + lane;
-        const float m = lane < nact ? __ldcg(cmax + i) : -3.402823466e38f;
-        const double part = lane < nact ? __ldcg(psum + i) : 0.0;
-        const float M = warp_max(m);
-        // a butterfly: 5 dependent steps (was 32 in block order), the same bits in every lane
-        const double t = warp_sum_d(lane < nact ? exp((double)m - (double)M) * part : 0.0);
-        if (lane == 0) {
-            gm[g] = M;
-            gs[g] = t;
-        }
+        group_stat(lane < nact ? __ldcg(cmax + i) : -3.402823466e38f, lane < nact ? __ldcg(psum + i) : 0.0, g, nact, gm,
+                   gs);
     }
     __syncthreads();
 }
@@ -174,16 +181,9 @@ __device__ __forceinline__ void group_stats(const float* cmax, const double* psu
 __device__ __forceinline__ void group_stats_cl(const float* bm, const double* bs, int G, int nact, float* gm,
                                                double* gs) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int g = warp; g < G; g += AG_WARPS) {
-        const float m = lane < nact ? cluster_peer(bm, lane)[g] : -3.402823466e38f;
-        const double part = lane < nact ? cluster_peer(bs, lane)[g] : 0.0;
-        const float M = warp_max(m);
-        const double t = warp_sum_d(lane < nact ? exp((double)m - (double)M) * part : 0.0);
-        if (lane == 0) {
-            gm[g] = M;
-            gs[g] = t;
-        }
-    }
+    for (int g = warp; g < G; g += AG_WARPS)
+        group_stat(lane < nact ? cluster_peer(bm, lane)[g] : -3.402823466e38f,
+                   lane < nact ? cluster_peer(bs, lane)[g] : 0.0, g, nact, gm, gs);
     __syncthreads();
 }
 
