@@ -52,6 +52,11 @@
 // kernel's tail; the new position's row is read from shared memory as before. Without the fused
 // RoPE the kernel before (kv_store or rope_kv) writes the new row, so the wait comes first. The
 // same values in the same order either way.
+// NTX_AG_PV_TREE (default 1; 0: one block barrier a position group): the position groups' p.V sums
+// meet in qa with two barriers; the same additions in the same order.
+#ifndef NTX_AG_PV_TREE
+#define NTX_AG_PV_TREE 1
+#endif
 #ifndef NTX_AG_PRE_WAIT
 #define NTX_AG_PRE_WAIT 1
 #endif
@@ -405,17 +410,38 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
         if (base >= p1) break;
         v_words<PG>(vc, col, kv_dim, base, p1, dt, pg, vw);
     }
-    for (int r = 0; r < PG; ++r) {  // the position groups' sums, in group order
-        if (pg == r) {
+    if (NTX_AG_PV_TREE && PG * G * hd <= AG_QMAX) {
+        // the position groups' sums, in group order, with two block barriers instead of PG: every
+        // group's partial sums into its slot of qa, then each value's PG partials added in order
+        if (pg < PG) {
 #pragma unroll
             for (int g = 0; g < GM; ++g) {
                 if (g >= G) break;
-                float* dst = qa + g * hd + 2 * dt;
-                dst[0] = r == 0 ? a0[g] : dst[0] + a0[g];
-                dst[1] = r == 0 ? a1[g] : dst[1] + a1[g];
+                float* dst = qa + (pg * G + g) * hd + 2 * dt;
+                dst[0] = a0[g];
+                dst[1] = a1[g];
             }
         }
         __syncthreads();
+        for (int i = threadIdx.x; i < G * hd; i += AG_THREADS) {  // value i is slot 0's; only its thread writes it
+            float v = qa[i];
+            for (int r = 1; r < PG; ++r) v += qa[r * G * hd + i];
+            qa[i] = v;
+        }
+        __syncthreads();
+    } else {
+        for (int r = 0; r < PG; ++r) {  // the position groups' sums, in group order
+            if (pg == r) {
+#pragma unroll
+                for (int g = 0; g < GM; ++g) {
+                    if (g >= G) break;
+                    float* dst = qa + g * hd + 2 * dt;
+                    dst[0] = r == 0 ? a0[g] : dst[0] + a0[g];
+                    dst[1] = r == 0 ? a1[g] : dst[1] + a1[g];
+                }
+            }
+            __syncthreads();
+        }
     }
     if constexpr (CL != 0) {
         cluster_sync();  // every block's p.V sums (qa) are in place

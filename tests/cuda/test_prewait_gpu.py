@@ -51,7 +51,7 @@ CASES = [("tiny", "q8_0", 4), ("tiny", "q4_k_m", 4), ("small", "q4_k_m", 2)]
 
 
 @pytest.mark.parametrize("defines", ["-DNTX_PRE_WAIT=0", "-DNTX_SWIGLU_PAIR=0", "-DNTX_PRE_WAIT=0 -DNTX_SWIGLU_PAIR=0",
-                                     "-DNTX_AG_PRE_WAIT=0", "-DNTX_NORM_PRE_WAIT=0"])
+                                     "-DNTX_AG_PRE_WAIT=0", "-DNTX_NORM_PRE_WAIT=0", "-DNTX_AG_PV_TREE=0"])
 @pytest.mark.parametrize("shape,mix,layers", CASES, ids=[f"{s}-{m}" for s, m, _ in CASES])
 def test_default_logits_equal_the_builds_without(cuda_backend, synth, monkeypatch, tmp_path, shape, mix, layers,
                                                  defines):
