@@ -37,6 +37,7 @@
 #include "matvec_fast.cuh"  // the int8 activation quantizers (fused output quantization)
 #include "attn_common.cuh"
 #include "ops.cuh"  // ntx_rope_pair: the fused RoPE and KV store of the new position
+#include "cluster.cuh"
 
 #define AG_THREADS 256
 #define AG_WARPS (AG_THREADS / 32)
@@ -77,30 +78,6 @@ __device__ void group_barrier(unsigned int* ctr, unsigned int target) {
     __syncthreads();
 }
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-#define AG_CLUSTERS 1
-// Every thread of every block of the cluster: the shared-memory writes before it are visible to
-// the cluster's blocks after it.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
-// The address of the same shared variable in block `rank` of the cluster (a generic pointer).
-template <typename T>
-__device__ __forceinline__ const T* cluster_peer(const T* p, int rank) {
-    unsigned long long r;
-    asm volatile("mapa.u64 %0, %1, %2;" : "=l"(r) : "l"(p), "r"(rank));
-    return reinterpret_cast<const T*>(r);
-}
-#else
-#define AG_CLUSTERS 0
-__device__ __forceinline__ void cluster_sync() {}
-__device__ __forceinline__ void cluster_arrive() {}
-__device__ __forceinline__ void cluster_wait() {}
-template <typename T>
-__device__ __forceinline__ const T* cluster_peer(const T* p, int) { return p; }
-#endif
 
 // K rows of the warp's positions base + warp + AG_WARPS * j (j < KP), lane's V values each.
 template <int V, int KP>
@@ -484,7 +461,7 @@ NTX_GRID_ATTN(8, 0, attn_grid_8)  // 256
 NTX_GRID_ATTN(4, 4, attn_grid_4_g4)
 NTX_GRID_ATTN(4, 8, attn_grid_4_g8)
 NTX_GRID_ATTN(2, 3, attn_grid_2_g3)
-#if AG_CLUSTERS
+#if NTX_CLUSTERS
 // the cluster form (sm_90) for the same pairs, 8 or 16 blocks a KV head (cuda_kernels.CLUSTER_SIZES)
 NTX_CLUSTER_ATTN(4, 4, 8, attn_cl8_4_g4)
 NTX_CLUSTER_ATTN(4, 4, 16, attn_cl16_4_g4)
