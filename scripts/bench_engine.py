@@ -6,7 +6,7 @@ JSON out and a short table last (the form the lent-GPU runs record in docs/bench
     python scripts/bench_engine.py --synthetic llama3-8b:q4_k_m llama3-8b:q8_0 \\
         --variant fast/split/pdl fast/split staged/single --json out.json
 
-A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg][/skip=N][/cl=C]: MATVEC
+A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg][/skip=N][/cl=C][/drop=K]: MATVEC
 fast|staged|direct, ATTN grid|split|single, pdl = Hopper programmatic dependent launch, fuse = the fused kernels
 (all, or the named ones of cuda_backend.FUSIONS: qkv, ffn, rope, norm, attn; without it, none), mmq = prefill matmuls
 on the int8 tensor cores (mmq.cu), gemm / nogemm = prefill matmuls as fp16 cuBLAS GEMMs (dequant.cu) or not
@@ -20,6 +20,8 @@ noreg = the build without matvec_reg.cu: Q4_K rows in the dp4a kernels' own orde
 grid attention, 4 the activation quantizers, 8 the matvecs) = those kernels return right after their PDL wait
 (-DNTX_SKIP=N, ntx_half.cuh): the step's time without that work, to place the step's time; its output is garbage.
 cl=C = the grid attention's cluster form, C blocks a KV head (NTX_CUDA_GRID_CLUSTER=C; 0: the grid form).
+drop=K (norm, quanti, or norm+quanti) = those launches are left out of the step altogether (NTX_CUDA_DROP): what a
+fusion that removes them could gain at most, launch and dependency included; its output is garbage.
 --prefill-chunk: tokens per prefill pass. Each (model, variant) is
 bench_cuda.run (its docstring says how bytes per token and the bound are counted).
 --kernels adds bench_cuda.kernel_table: each decode kernel's own GPU time at 8B shapes.
@@ -37,6 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+# drop=A+B: launches left out of the step (cuda_kernels.Kernels reads NTX_CUDA_DROP)
+DROP_KINDS = {"norm": ("add_rmsnorm_quanti",), "quanti": ("quanti_q8_1", "quanti_q8_k")}
+
 # variant flags that switch a default of the decode kernels off (the macro, set to 0)
 OFF_MACROS = {"noprewait": "-DNTX_PRE_WAIT=", "nopair": "-DNTX_SWIGLU_PAIR=", "noq6pair": "-DNTX_Q6_PAIR=",
               "noagpre": "-DNTX_AG_PRE_WAIT=", "nonormpre": "-DNTX_NORM_PRE_WAIT=", "noreg": "-DNTX_REG="}
@@ -53,12 +58,19 @@ def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None, tup
     cl = next((f for f in flags if f.startswith("cl=")), None)
     flags.discard(cl)
     env = (("NTX_CUDA_GRID_CLUSTER", cl.removeprefix("cl=")),) if cl is not None else ()
+    drop = next((f for f in flags if f.startswith("drop=")), None)
+    flags.discard(drop)
+    if drop is not None:
+        kinds = drop.removeprefix("drop=").split("+")
+        if not kinds or not set(kinds) <= set(DROP_KINDS):
+            raise argparse.ArgumentTypeError(f"variant {text!r}: drop= takes {'+'.join(DROP_KINDS)} (or some of them)")
+        env += (("NTX_CUDA_DROP", ",".join(n for kind in kinds for n in DROP_KINDS[kind])),)
     if skip is not None and not skip.removeprefix("skip=").isdigit():
         raise argparse.ArgumentTypeError(f"variant {text!r}: skip=N takes a bit mask (1 norm, 2 attention, 4 quantizers, 8 matvecs)")
     if len(parts) < 2 or parts[0] not in ("fast", "staged", "direct") or parts[1] not in ("grid", "split", "single") \
             or not flags <= {"pdl", "mmq", "gemm", "nogemm", *OFF_MACROS}:
         raise argparse.ArgumentTypeError(f"variant {text!r}: expected MATVEC/ATTN[/pdl][/fuse[=A+B]][/mmq][/gemm|/nogemm]"
-                                         "[/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg][/skip=N][/cl=C], e.g. fast/grid/pdl/fuse")
+                                         "[/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg][/skip=N][/cl=C][/drop=K], e.g. fast/grid/pdl/fuse")
     gemm = "1" if "gemm" in flags else "0" if "nogemm" in flags else None
     defines = tuple(f"{m}0" for f, m in OFF_MACROS.items() if f in flags)
     if skip is not None:

@@ -195,11 +195,15 @@ class Kernels:
         self.grid_fixed = grid_fixed_setting()  # read once: the grid attention launches every layer
         self.grid_cluster = grid_cluster_setting()
         self._nonportable: set[str] = set()  # cluster kernels allowed more than 8 blocks a cluster
+        # kernels never launched (bench_engine.py's drop= variants: a step without them; garbage out)
+        self.drop = frozenset(n for n in os.environ.get("NTX_CUDA_DROP", "").split(",") if n)
 
     def fn(self, source: str, name: str):
         return self.modules[source].function(name)
 
     def _go(self, source: str, name: str, grid, block, args, stream: Stream, smem: int = 0) -> None:
+        if name in self.drop:
+            return
         cfg = LaunchConfig(tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block)), smem)
         if self.profile is None:
             (launch_pdl if self.pdl else launch)(self.fn(source, name), cfg, args, stream, name)

@@ -38,8 +38,11 @@ def test_bench_variants():
     assert be.parse_variant("fast/grid/pdl/fuse/nonormpre")[-2] == ("-DNTX_NORM_PRE_WAIT=0",)
     assert be.parse_variant("fast/grid/pdl/fuse/noreg/skip=10")[-2] == ("-DNTX_REG=0", "-DNTX_SKIP=10")
     assert be.parse_variant("fast/grid/pdl/fuse/cl=16")[-1] == (("NTX_CUDA_GRID_CLUSTER", "16"),)
+    assert be.parse_variant("fast/grid/pdl/fuse/cl=0/drop=norm+quanti")[-1] == (
+        ("NTX_CUDA_GRID_CLUSTER", "0"), ("NTX_CUDA_DROP", "add_rmsnorm_quanti,quanti_q8_1,quanti_q8_k"))
     for bad in ("fast/split/turbo", "fast/split/async=4", "fast/split/preload", "fast/flash/pdl", "fast/grid/unroll",
-                "fast/grid/q4pair", "fast/grid/skip=attn", "fast/grid/skip="):
+                "fast/grid/q4pair", "fast/grid/skip=attn", "fast/grid/skip=",
+                "fast/grid/drop=rope", "fast/grid/drop="):
         with pytest.raises(argparse.ArgumentTypeError):
             be.parse_variant(bad)
 
