@@ -119,3 +119,15 @@ def test_numpy_model_unchanged_by_the_fused_ops(synth, tmp_path):
     wrapped.backend = _RowWrapper(wrapped.backend)
     assert np.array_equal(wrapped.forward(ids, 0, all_logits=True), want[0])
     assert wrapped.backend.calls == 7 * cfg.n_layers + 1
+
+
+def test_dropped_kernels_are_not_launched():
+    """Kernels.drop (NTX_CUDA_DROP, the bench's drop= variants): a dropped name returns before any
+    launch; any other name goes on to look its function up (here: no module, so it raises)."""
+    from ntx_engine.backends.cuda_kernels import Kernels
+
+    k = Kernels.__new__(Kernels)  # no device: only the launch path's first steps are under test
+    k.drop, k.profile, k.pdl, k.modules = frozenset({"add_rmsnorm_quanti"}), None, False, {}
+    assert k._go("fused.cu", "add_rmsnorm_quanti", (1,), (1024,), (), None) is None
+    with pytest.raises(KeyError):
+        k._go("fused.cu", "matvecf_multi_n1", (1,), (128,), (), None)
