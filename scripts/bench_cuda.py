@@ -301,10 +301,15 @@ def run(path: Path, n_prompt: int, n_decode: int, n_ctx: int, matvec: str = "fas
         for i in range(n_decode):
             tok = graph.greedy(tok, n_prompt + i)
 
+    def decode_stream():  # the engine's greedy decode: the next step queued before a token is read
+        for _ in graph.greedy_stream(int(prompt[-1]), n_prompt, n_decode):
+            pass
+
     decode_plain()
     plain_s = timed(decode_plain, b)
     graph.greedy(int(prompt[-1]), n_prompt)  # capture
     graph_s = timed(decode_graph, b)
+    stream_s = timed(decode_stream, b)
     kernels, step_ms = kernel_times(model, b, int(prompt[-1]), n_prompt + n_decode)
     # one prefill chunk the same way; cuBLAS's GEMMs are not among the timed launches, so they
     # are the step's GPU time minus the kernels' (the gaps between launches are GPU-side there)
@@ -321,6 +326,7 @@ def run(path: Path, n_prompt: int, n_decode: int, n_ctx: int, matvec: str = "fas
                 weights_gb=total / 1e9, bytes_per_token_gb=(per_tok + kv) / 1e9, load_s=load_s,
                 prefill_tokens=n_prompt, prefill_tok_s=n_prompt / pre_s,
                 decode_tokens=n_decode, decode_tok_s_graph=tok_s, decode_tok_s_plain=n_plain / plain_s,
+                decode_tok_s_stream=n_decode / stream_s, fraction_of_bound_stream=(per_tok + kv) * n_decode / stream_s / bw,
                 copy_bw_gb_s=bw / 1e9, hbm_bound_tok_s=bw / (per_tok + kv),
                 achieved_gb_s=(per_tok + kv) * tok_s / 1e9, fraction_of_bound=(per_tok + kv) * tok_s / bw,
                 kernel_ms_per_token=round(sum(v["ms"] for v in kernels.values()), 4), profiled_step_ms=step_ms,

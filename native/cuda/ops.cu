@@ -56,7 +56,10 @@ extern "C" __global__ void kv_store(const float* k, const float* v, uint16_t* kc
 }
 
 // Index of the largest logit (the first on ties, as numpy's argmax); one block of 1024.
-extern "C" __global__ void argmax(const float* x, int n, int* out) {
+// feed_ids / feed_pos (both or neither; the decode graph's last kernel): the index is also the next
+// step's token id and the step's position advances by one, so the next replay needs no upload
+// (cuda_graph.DecodeGraph.greedy_stream; every kernel of the step before this one has finished).
+extern "C" __global__ void argmax(const float* x, int n, int* out, int* feed_ids, int* feed_pos) {
     NTX_PDL();
     __shared__ float bv[1024];
     __shared__ int bi[1024];
@@ -78,7 +81,13 @@ extern "C" __global__ void argmax(const float* x, int n, int* out) {
         }
         __syncthreads();
     }
-    if (threadIdx.x == 0) *out = bi[0];
+    if (threadIdx.x == 0) {
+        *out = bi[0];
+        if (feed_ids != nullptr) {
+            *feed_ids = bi[0];
+            *feed_pos += 1;
+        }
+    }
 }
 
 // Busy the stream for `us` microseconds (the per-kernel profile of scripts/bench_cuda.py queues a

@@ -506,11 +506,13 @@ class CudaBackend:
             self._pending = None
             self.k.add(a, b, out, self.stream)
 
-    def argmax(self, x: DeviceArray) -> DeviceArray:
-        """Index of the largest of x (flattened) as a device int32: greedy sampling on the GPU."""
+    def argmax(self, x: DeviceArray, feed: bool = False) -> DeviceArray:
+        """Index of the largest of x (flattened) as a device int32: greedy sampling on the GPU.
+        feed (a one-token decode step): the index also becomes the token id the next step embeds
+        (ids_buf) and the position in pos_buf advances by one, on the device."""
         self.flush()
         out = self._new(1, dtype=np.int32)
-        self.k.argmax(x, out, self.stream)
+        self.k.argmax(x, out, self.stream, (self.ids_buf, self.pos_buf) if feed else None)
         return out
 
     # --- state ---------------------------------------------------------------------------

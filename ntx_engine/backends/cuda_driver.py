@@ -271,6 +271,25 @@ def upload(pool: MemoryPool, host: np.ndarray, stream: Stream, out: DeviceArray 
     return dev
 
 
+class HostSlots:
+    """A few page-locked int32 words (cuMemHostAlloc) that device values are copied into without
+    blocking the host (copy_in), read after an event of the stream says the copy is done."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.ptr = n, 0
+        self.ptr = int(check(driver().cuMemHostAlloc(4 * n, 0), f"cuMemHostAlloc({4 * n} bytes)"))
+        self.values = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(self.ptr))
+
+    def copy_in(self, slot: int, dev: DeviceArray, stream: Stream) -> None:
+        """Slot `slot` = the first int32 of dev, once the stream gets there."""
+        check(driver().cuMemcpyDtoHAsync(self.ptr + 4 * slot, dev.ptr, 4, stream.handle), "cuMemcpyDtoHAsync(4 bytes)")
+
+    def __del__(self) -> None:
+        if self.ptr:
+            driver().cuMemFreeHost(self.ptr)
+            self.ptr = 0
+
+
 def download(dev: DeviceArray, stream: Stream) -> np.ndarray:
     host = np.empty(dev.shape, dev.dtype)
     if dev.nbytes:

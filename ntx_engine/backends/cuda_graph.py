@@ -3,15 +3,18 @@ and replayed per token, so Python's cost is per token instead of per kernel.
 
 The kernels read the token id and the position from the backend's `ids_buf`/`pos_buf`, which
 are written just before each replay; every buffer the capture touched is kept alive by the graph.
+The step's last kernel (the argmax) also writes its token into `ids_buf` and advances `pos_buf`,
+so `greedy_stream` queues the next step before the host has read this one's token: the host's
+round trip (read the token, write the next inputs, launch) leaves the GPU's critical path.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
-from ntx_engine.backends.cuda_driver import check, download, driver, upload
+from ntx_engine.backends.cuda_driver import Event, HostSlots, check, download, driver, upload
 
 
 class DecodeGraph:
@@ -26,6 +29,8 @@ class DecodeGraph:
         # one capture for each decode form the steps have needed (the backend's decode_form: e.g.
         # the attention's cluster form at short contexts, its grid form at long ones)
         self._graphs: dict[tuple, tuple] = {}
+        self._slots: HostSlots | None = None  # greedy_stream's token copies, two steps in flight
+        self._events: list[Event] = []
 
     def forward(self, ids: np.ndarray, start: int, all_logits: bool = False, layers=None) -> np.ndarray:
         if len(ids) != 1 or all_logits or layers is not None:
@@ -37,6 +42,46 @@ class DecodeGraph:
         """Run one token at `start`; only the next token id comes back over PCIe."""
         self._replay(token, start)
         return int(download(self.token, self.b.stream)[0])
+
+    def greedy_stream(self, token: int, start: int, n: int) -> Iterator[int]:
+        """The next n greedy tokens after `token` at position `start`, as greedy() gives them one at a
+        time, with the next step queued on the GPU before this one's token is read: a step whose
+        position keeps the decode form (and fits the context) starts from the token and position the
+        step before left on the device. A consumer that stops early leaves at most one step computed
+        past its last token (its K/V row lies beyond the tokens it kept)."""
+        if n <= 0:
+            return
+        if self._slots is None:
+            self._slots, self._events = HostSlots(2), [Event(), Event()]
+        b = self.b
+        self._launch_read(0, token, start)
+        for i in range(n):
+            pos = start + i + 1  # the position of the step after step i
+            ahead = i + 1 < n and pos + 1 <= self.model.n_ctx and self._fed(pos)
+            if ahead:  # the token of step i is on the device already: queue step i + 1 now
+                check(driver().cuGraphLaunch(self.exec, b.stream.handle), "cuGraphLaunch(decode step)")
+                b._staged = (pos + 1,)
+                self._read((i + 1) % 2)
+            self._events[i % 2].synchronize()
+            tok = int(self._slots.values[i % 2])
+            yield tok
+            if i + 1 < n and not ahead:
+                self._launch_read((i + 1) % 2, tok, pos)
+
+    def _fed(self, pos: int) -> bool:
+        """Whether a step at pos may replay the graph the last step ran (the same decode form)."""
+        b = self.b
+        form = b.decode_form(pos) if hasattr(b, "decode_form") else ()
+        return self._graphs.get(form, (None,))[0] is self.exec
+
+    def _launch_read(self, slot: int, token: int, start: int) -> None:
+        self._replay(token, start)
+        self._read(slot)
+
+    def _read(self, slot: int) -> None:
+        """The token of the step just queued into host slot `slot`, and that slot's event."""
+        self._slots.copy_in(slot, self.token, self.b.stream)
+        self._events[slot].record(self.b.stream)
 
     def __getattr__(self, name: str) -> Any:  # cfg, n_ctx, backend, w: those of the model
         return getattr(self.model, name)
@@ -55,6 +100,7 @@ class DecodeGraph:
             self._graphs[form] = (self.exec, self.graph, self.logits, self.token, self._keep)
         self.exec, self.graph, self.logits, self.token, self._keep = self._graphs[form]
         check(driver().cuGraphLaunch(self.exec, b.stream.handle), "cuGraphLaunch(decode step)")
+        b._staged = (start + 1,)  # the step's argmax advanced pos_buf
 
     def _capture(self, token: int, start: int) -> None:
         drv, b = driver(), self.b
@@ -69,7 +115,7 @@ class DecodeGraph:
         try:
             self.model.forward(np.asarray([token]), start)
             self.logits = b.captured_output
-            self.token = b.argmax(self.logits)
+            self.token = b.argmax(self.logits, feed=True)
         finally:
             b.capturing = False
             b.pool.keep = None
