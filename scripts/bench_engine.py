@@ -6,7 +6,7 @@ JSON out and a short table last (the form the lent-GPU runs record in docs/bench
     python scripts/bench_engine.py --synthetic llama3-8b:q4_k_m llama3-8b:q8_0 \\
         --variant fast/split/pdl fast/split staged/single --json out.json
 
-A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg][/skip=N][/cl=C][/drop=K]: MATVEC
+A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg][/D=M:V+..][/skip=N][/cl=C][/drop=K]: MATVEC
 fast|staged|direct, ATTN grid|split|single, pdl = Hopper programmatic dependent launch, fuse = the fused kernels
 (all, or the named ones of cuda_backend.FUSIONS: qkv, ffn, rope, norm, attn; without it, none), mmq = prefill matmuls
 on the int8 tensor cores (mmq.cu), gemm / nogemm = prefill matmuls as fp16 cuBLAS GEMMs (dequant.cu) or not
@@ -16,7 +16,9 @@ on the int8 tensor cores (mmq.cu), gemm / nogemm = prefill matmuls as fp16 cuBLA
 matvec_fast.cuh), noagpre = the grid attention issues its first K/V loads after the PDL wait (-DNTX_AG_PRE_WAIT=0,
 attn_grid.cu), nonormpre = the fused norm loads its weights after the PDL wait (-DNTX_NORM_PRE_WAIT=0, fused.cu),
 noreg = the build without matvec_reg.cu: Q4_K rows in the dp4a kernels' own order, one warp a row
-(-DNTX_REG=0, matvec_reg.cuh; cuda_kernels.reg_build reads it too). skip=N (a bit mask: 1 the fused norm, 2 the
+(-DNTX_REG=0, matvec_reg.cuh; cuda_kernels.reg_build reads it too), D=M:V+.. = any tuning macros (-DNTX_M=V
+each, e.g. D=FAST_WARPS:8+FAST_MINB:4; cuda_kernels reads NTX_FAST_WARPS and NTX_SWIGLU_WARPS too). skip=N (a bit
+mask: 1 the fused norm, 2 the
 grid attention, 4 the activation quantizers, 8 the matvecs) = those kernels return right after their PDL wait
 (-DNTX_SKIP=N, ntx_half.cuh): the step's time without that work, to place the step's time; its output is garbage.
 cl=C = the grid attention's cluster form, C blocks a KV head (NTX_CUDA_GRID_CLUSTER=C; 0: the grid form).
@@ -58,6 +60,11 @@ def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None, tup
     cl = next((f for f in flags if f.startswith("cl=")), None)
     flags.discard(cl)
     env = (("NTX_CUDA_GRID_CLUSTER", cl.removeprefix("cl=")),) if cl is not None else ()
+    tune = next((f for f in flags if f.startswith("D=")), None)
+    flags.discard(tune)
+    tuned = tuple(m.split(":") for m in tune.removeprefix("D=").split("+")) if tune is not None else ()
+    if any(len(m) != 2 or not m[0].replace("_", "").isalnum() or not m[1].lstrip("-").isdigit() for m in tuned):
+        raise argparse.ArgumentTypeError(f"variant {text!r}: D= takes MACRO:INT pairs joined by +, e.g. D=FAST_WARPS:8")
     drop = next((f for f in flags if f.startswith("drop=")), None)
     flags.discard(drop)
     if drop is not None:
@@ -70,9 +77,10 @@ def parse_variant(text: str) -> tuple[str, str, bool, str, bool, str | None, tup
     if len(parts) < 2 or parts[0] not in ("fast", "staged", "direct") or parts[1] not in ("grid", "split", "single") \
             or not flags <= {"pdl", "mmq", "gemm", "nogemm", *OFF_MACROS}:
         raise argparse.ArgumentTypeError(f"variant {text!r}: expected MATVEC/ATTN[/pdl][/fuse[=A+B]][/mmq][/gemm|/nogemm]"
-                                         "[/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg][/skip=N][/cl=C][/drop=K], e.g. fast/grid/pdl/fuse")
+                                         "[/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg][/D=M:V+..][/skip=N][/cl=C][/drop=K], e.g. fast/grid/pdl/fuse")
     gemm = "1" if "gemm" in flags else "0" if "nogemm" in flags else None
     defines = tuple(f"{m}0" for f, m in OFF_MACROS.items() if f in flags)
+    defines += tuple(f"-DNTX_{m}={v}" for m, v in tuned)
     if skip is not None:
         defines += (f"-DNTX_SKIP={int(skip.removeprefix('skip='))}",)
     return parts[0], parts[1], "pdl" in flags, fuse, "mmq" in flags, gemm, defines, env
@@ -82,9 +90,11 @@ VARIANT_MACROS = (*OFF_MACROS.values(), "-DNTX_SKIP=")
 
 
 def variant_defines(defines: tuple[str, ...]) -> str:
-    """NTX_CUDA_DEFINES for a variant: the caller's own, less the macros variants set, plus the
-    variant's (so a variant without noprewait runs the default build even if the caller set it)."""
-    own = [d for d in os.environ.get("NTX_CUDA_DEFINES", "").split() if not d.startswith(VARIANT_MACROS)]
+    """NTX_CUDA_DEFINES for a variant: the caller's own, less the macros variants set (and those this
+    one sets), plus the variant's (so a variant without noprewait runs the default build even if the
+    caller set it)."""
+    mine = tuple(d.split("=", 1)[0] + "=" for d in defines)
+    own = [d for d in os.environ.get("NTX_CUDA_DEFINES", "").split() if not d.startswith(VARIANT_MACROS + mine)]
     return " ".join(own + list(defines))
 
 
@@ -96,6 +106,8 @@ def table(results: list[dict], top: int = 8) -> str:
                      f"{''.join(' ' + d for d in r.get('defines', ()))}: "
                      f"decode {r['decode_tok_s_graph']:.1f} tok/s (plain {r['decode_tok_s_plain']:.1f}), "
                      f"{r['achieved_gb_s']:.0f} GB/s = {100 * r['fraction_of_bound']:.1f} % of bound "
+                     f"[queued ahead: {r.get('decode_tok_s_stream', float('nan')):.1f} tok/s = "
+                     f"{100 * r.get('fraction_of_bound_stream', float('nan')):.1f} %] "
                      f"({r['hbm_bound_tok_s']:.0f} tok/s); prefill {r['prefill_tok_s']:.0f} tok/s; "
                      f"kernels {r['kernel_ms_per_token']:.3f} ms (profiled step {r.get('profiled_step_ms', float('nan')):.3f}) "
                      f"vs graph step {r['decode_ms_per_token_graph']:.3f} ms")

@@ -40,9 +40,12 @@ def test_bench_variants():
     assert be.parse_variant("fast/grid/pdl/fuse/cl=16")[-1] == (("NTX_CUDA_GRID_CLUSTER", "16"),)
     assert be.parse_variant("fast/grid/pdl/fuse/cl=0/drop=norm+quanti")[-1] == (
         ("NTX_CUDA_GRID_CLUSTER", "0"), ("NTX_CUDA_DROP", "add_rmsnorm_quanti,quanti_q8_1,quanti_q8_k"))
+    assert be.parse_variant("fast/grid/pdl/noreg/D=FAST_WARPS:8+SWIGLU_MINB:3")[-2] == (
+        "-DNTX_REG=0", "-DNTX_FAST_WARPS=8", "-DNTX_SWIGLU_MINB=3")
     for bad in ("fast/split/turbo", "fast/split/async=4", "fast/split/preload", "fast/flash/pdl", "fast/grid/unroll",
                 "fast/grid/q4pair", "fast/grid/skip=attn", "fast/grid/skip=",
-                "fast/grid/drop=rope", "fast/grid/drop="):
+                "fast/grid/drop=rope", "fast/grid/drop=", "fast/grid/D=FAST_WARPS", "fast/grid/D=FAST_WARPS:x",
+                "fast/grid/D=A-B:1", "fast/grid/D="):
         with pytest.raises(argparse.ArgumentTypeError):
             be.parse_variant(bad)
 
@@ -54,6 +57,10 @@ def test_bench_variant_defines_keep_the_callers_own(monkeypatch):
     monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_G_Q4_K=16 -DNTX_PRE_WAIT=2 -DNTX_SWIGLU_PAIR=0")
     assert be.variant_defines(("-DNTX_PRE_WAIT=0",)) == "-DNTX_G_Q4_K=16 -DNTX_PRE_WAIT=0"
     assert be.variant_defines(()) == "-DNTX_G_Q4_K=16"
+    # a D= macro replaces the caller's value of the same macro, and only that one
+    assert be.variant_defines(("-DNTX_G_Q4_K=8",)) == "-DNTX_G_Q4_K=8"
+    monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_FAST_WARPS=16 -DNTX_FAST_MINB=2")
+    assert be.variant_defines(("-DNTX_FAST_WARPS=8",)) == "-DNTX_FAST_MINB=2 -DNTX_FAST_WARPS=8"
 
 
 class _UnfusedTransformer:
