@@ -285,9 +285,12 @@ class HostSlots:
         check(driver().cuMemcpyDtoHAsync(self.ptr + 4 * slot, dev.ptr, 4, stream.handle), "cuMemcpyDtoHAsync(4 bytes)")
 
     def __del__(self) -> None:
-        if self.ptr:
-            driver().cuMemFreeHost(self.ptr)
-            self.ptr = 0
+        ptr, self.ptr = self.ptr, 0
+        if ptr:
+            try:
+                driver().cuMemFreeHost(ptr)
+            except Exception:  # noqa: BLE001 (the context may be gone at interpreter exit)
+                pass
 
 
 def download(dev: DeviceArray, stream: Stream) -> np.ndarray:
