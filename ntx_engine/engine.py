@@ -226,6 +226,7 @@ class Engine:
         t1 = time.perf_counter()
         st.stop_reason = "length"
         device_greedy, next_tok = self._device_greedy(smp), -1
+        streamed = device_greedy and hasattr(self.model, "greedy_stream")
         ahead = None  # the device greedy steps, one queued ahead of the token read (greedy_stream)
         for step in range(max_tokens):
             tok = smp.sample(logits, ids) if logits is not None else next_tok
@@ -241,7 +242,7 @@ class Engine:
                 st.stop_reason = "context"
                 break
             if step + 1 < max_tokens:
-                if device_greedy and hasattr(self.model, "greedy_stream"):  # the GPU picks the argmax
+                if streamed:  # the GPU picks the argmax
                     if ahead is None:  # only the token ids come back, the next step already queued
                         ahead = self.model.greedy_stream(tok, len(ids) - 1, max_tokens - step - 1)
                     logits, next_tok = None, next(ahead)

@@ -17,9 +17,8 @@ matvec_fast.cuh), noagpre = the grid attention issues its first K/V loads after 
 attn_grid.cu), nonormpre = the fused norm loads its weights after the PDL wait (-DNTX_NORM_PRE_WAIT=0, fused.cu),
 noreg = the build without matvec_reg.cu: Q4_K rows in the dp4a kernels' own order, one warp a row
 (-DNTX_REG=0, matvec_reg.cuh; cuda_kernels.reg_build reads it too), D=M:V+.. = any tuning macros (-DNTX_M=V
-each, e.g. D=FAST_WARPS:8+FAST_MINB:4; cuda_kernels reads NTX_FAST_WARPS and NTX_SWIGLU_WARPS too). skip=N (a bit
-mask: 1 the fused norm, 2 the
-grid attention, 4 the activation quantizers, 8 the matvecs) = those kernels return right after their PDL wait
+each, e.g. D=FAST_WARPS:8+FAST_MINB:4; cuda_kernels.fast_rows reads NTX_FAST_WARPS too). skip=N (a bit mask: 1 the
+fused norm, 2 the grid attention, 4 the activation quantizers, 8 the matvecs) = those kernels return right after their PDL wait
 (-DNTX_SKIP=N, ntx_half.cuh): the step's time without that work, to place the step's time; its output is garbage.
 cl=C = the grid attention's cluster form, C blocks a KV head (NTX_CUDA_GRID_CLUSTER=C; 0: the grid form).
 drop=K (norm, quanti, or norm+quanti) = those launches are left out of the step altogether (NTX_CUDA_DROP): what a

@@ -276,7 +276,7 @@ class HostSlots:
     blocking the host (copy_in), read after an event of the stream says the copy is done."""
 
     def __init__(self, n: int) -> None:
-        self.n, self.ptr = n, 0
+        self.ptr = 0  # (set before the call: a failed allocation leaves nothing to free)
         self.ptr = int(check(driver().cuMemHostAlloc(4 * n, 0), f"cuMemHostAlloc({4 * n} bytes)"))
         self.values = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(self.ptr))
 

@@ -53,14 +53,12 @@ class DecodeGraph:
             return
         if self._slots is None:
             self._slots, self._events = HostSlots(2), [Event(), Event()]
-        b = self.b
         self._launch_read(0, token, start)
         for i in range(n):
             pos = start + i + 1  # the position of the step after step i
             ahead = i + 1 < n and pos + 1 <= self.model.n_ctx and self._fed(pos)
             if ahead:  # the token of step i is on the device already: queue step i + 1 now
-                check(driver().cuGraphLaunch(self.exec, b.stream.handle), "cuGraphLaunch(decode step)")
-                b._staged = (pos + 1,)
+                self._launch(pos)
                 self._read((i + 1) % 2)
             self._events[i % 2].synchronize()
             tok = int(self._slots.values[i % 2])
@@ -68,11 +66,13 @@ class DecodeGraph:
             if i + 1 < n and not ahead:
                 self._launch_read((i + 1) % 2, tok, pos)
 
+    def _form(self, start: int) -> tuple:
+        """The backend's decode form at start (the key of the captured steps)."""
+        return self.b.decode_form(start) if hasattr(self.b, "decode_form") else ()
+
     def _fed(self, pos: int) -> bool:
         """Whether a step at pos may replay the graph the last step ran (the same decode form)."""
-        b = self.b
-        form = b.decode_form(pos) if hasattr(b, "decode_form") else ()
-        return self._graphs.get(form, (None,))[0] is self.exec
+        return self._graphs.get(self._form(pos), (None,))[0] is self.exec
 
     def _launch_read(self, slot: int, token: int, start: int) -> None:
         self._replay(token, start)
@@ -93,14 +93,18 @@ class DecodeGraph:
         upload(b.pool, np.asarray([token], np.int32), b.stream, out=b.ids_buf)
         upload(b.pool, np.asarray([start], np.int32), b.stream, out=b.pos_buf)
         b._staged = (start,)
-        form = b.decode_form(start) if hasattr(b, "decode_form") else ()
+        form = self._form(start)
         if form not in self._graphs:
             self._keep = []
             self._capture(token, start)
             self._graphs[form] = (self.exec, self.graph, self.logits, self.token, self._keep)
         self.exec, self.graph, self.logits, self.token, self._keep = self._graphs[form]
-        check(driver().cuGraphLaunch(self.exec, b.stream.handle), "cuGraphLaunch(decode step)")
-        b._staged = (start + 1,)  # the step's argmax advanced pos_buf
+        self._launch(start)
+
+    def _launch(self, start: int) -> None:
+        """Replay the current graph for the step at `start` (its inputs already on the device)."""
+        check(driver().cuGraphLaunch(self.exec, self.b.stream.handle), "cuGraphLaunch(decode step)")
+        self.b._staged = (start + 1,)  # the step's argmax advanced pos_buf
 
     def _capture(self, token: int, start: int) -> None:
         drv, b = driver(), self.b
