@@ -78,7 +78,6 @@ __device__ void group_barrier(unsigned int* ctr, unsigned int target) {
     __syncthreads();
 }
 
-
 // K rows of the warp's positions base + warp + AG_WARPS * j (j < KP), lane's V values each.
 template <int V, int KP>
 __device__ __forceinline__ void k_rows(const uint16_t* kc, size_t col, int kv_dim, int base, int p1, float (*kf)[V]) {
