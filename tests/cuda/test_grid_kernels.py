@@ -101,3 +101,49 @@ def test_cluster_setting_is_checked(monkeypatch, value):
     monkeypatch.setenv("NTX_CUDA_GRID_CLUSTER", value)
     with pytest.raises(UsageError, match="NTX_CUDA_GRID_CLUSTER must be 0 or one of 8, 16"):
         grid_cluster_setting()
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_oproj_kernels_are_built_for_hopper_only(arch):
+    """The cluster form with the o projection inside (attn_oproj.cuh: bulk copies, mbarriers,
+    clusters) is in the sm_90 cubin only."""
+    from ntx_engine.backends.cuda_kernels import CLUSTER_GROUPS, CLUSTER_SIZES
+
+    sizes = _text_sizes(cuda_nvrtc.compile_cubin("attn_grid.cu", arch)[0])
+    names = [f"attn_cl{c}_{v}_g{g}_o" for v, g in CLUSTER_GROUPS for c in CLUSTER_SIZES]
+    assert all((n in sizes) == (arch == "sm_90") for n in names), (arch, sorted(sizes))
+
+
+def test_oproj_smem_takes_whole_aligned_chunks():
+    """oproj_smem: the scores (rounded to 128 bytes), then a block's rows' chunks of a KV head's
+    512 columns, sized from gguf-py's block sizes, plus 16 bytes; None for what the kernel cannot
+    take: other weight types, head layouts or column counts, rows not in whole 16-row passes of
+    every block, a misaligned weight, or more shared memory than the GPU has."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+    from ntx_engine.backends.cuda_kernels import CLUSTER_STATIC_SMEM, oproj_smem
+    from ntx_engine.quants import GGMLType as T
+
+    optin = 232448  # the H200's opt-in shared memory a block
+
+    def want(q, rows, cluster, rmax):
+        block, size = GGML_QUANT_SIZES[q]
+        return -(-4 * 4 * rmax // 128) * 128 + rows // cluster * (512 // block * size) + 16
+
+    llama8b = dict(n_head=32, n_kv=8, head_dim=128)
+    assert oproj_smem(T.Q8_0, 4096, 4096, **llama8b, cluster=16, rmax=36, smem_optin=optin) == want(Q.Q8_0, 4096, 16, 36)
+    assert oproj_smem(T.Q4_K, 4096, 4096, **llama8b, cluster=16, rmax=64, smem_optin=optin) == want(Q.Q4_K, 4096, 16, 64)
+    assert oproj_smem(T.Q4_K, 4096, 4096, **llama8b, cluster=8, rmax=16, smem_optin=optin) == want(Q.Q4_K, 4096, 8, 16)
+    assert oproj_smem(T.Q4_K, 2048, 2048, n_head=16, n_kv=4, head_dim=128, cluster=16, rmax=16,
+                      smem_optin=optin) == want(Q.Q4_K, 2048, 16, 16)
+    rejected = [
+        dict(t=T.Q6_K), dict(t=T.F16), dict(t=T.Q5_K),  # types without a bulk-copied unit decoder
+        dict(rows=4096 + 16), dict(rows=4096 - 256 + 128),  # rows / cluster not whole 16-row passes
+        dict(cols=2048), dict(n_head=64, cols=8192), dict(head_dim=64, cols=2048),  # other head layouts
+        dict(cluster=0), dict(ptr=8), dict(rows=16 * 512),  # no cluster, misaligned, 512 rows a block: too big
+        dict(rmax=(optin - CLUSTER_STATIC_SMEM) // 16),  # the scores alone fill shared memory
+    ]
+    for change in rejected:
+        args = dict(t=T.Q8_0, rows=4096, cols=4096, **llama8b, cluster=16, rmax=36, smem_optin=optin, ptr=0)
+        args.update(change)
+        assert oproj_smem(**args) is None, change
