@@ -38,7 +38,6 @@
 #include "attn_common.cuh"
 #include "ops.cuh"  // ntx_rope_pair: the fused RoPE and KV store of the new position
 #include "cluster.cuh"
-#include "attn_oproj.cuh"  // the o projection inside the cluster form (attn_cl<C>_*_o)
 
 #define AG_THREADS 256
 #define AG_WARPS (AG_THREADS / 32)
@@ -253,9 +252,7 @@ __device__ __forceinline__ void grid_sum(float* qa, int G, int hd, int h0, int n
 // that order, of each block's p.V sums (qa in its shared memory), as the grid form's last block
 // adds the parts. Block c takes the whole quantization blocks (256 values for qmode 2, else 32)
 // u = c, c + CL, ...: it writes their sums to out and quantizes them from its own buffer. q0: the
-// head's first value in the row (its quantization blocks' numbering; 0 where xq, xd and xs are
-// the head's own, as the o projection's shared copy). The caller then meets the cluster before any
-// block leaves (a block may still read another's qa).
+// head's first value in the row (its quantization blocks' numbering).
 template <int CL>
 __device__ __forceinline__ void cluster_sum(const float* qa, int len, int nact, int c, float* out, int q0, int8_t* xq,
                                             float* xd, float* xs, int qmode) {
@@ -281,27 +278,20 @@ __device__ __forceinline__ void cluster_sum(const float* qa, int len, int nact, 
             else quanti_q8_1_from(res, xq, xd, xs, (q0 + u * per) / 32, lane);
         }
     }
+    cluster_arrive();  // this block reads no other's memory now; it leaves when no other reads its own
+    cluster_wait();
 }
 
-template <int V, int GC, int CL = 0, bool OP = false>
+template <int V, int GC, int CL = 0>
 __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restrict__ kc,
                           const uint16_t* __restrict__ vc, float* out, const int* __restrict__ pos, int n_head,
                           int n_kv, int nb, int rmax, int minr, float scale, float* cmax, double* psum, float* part,
-                          unsigned int* ctr, int8_t* xq, float* xd, float* xs, int qmode, const RopeIn ri,
-                          const OProj op = {}) {
+                          unsigned int* ctr, int8_t* xq, float* xd, float* xs, int qmode, const RopeIn ri) {
     // GC: the GQA group size when fixed at compile time (0: n_head / n_kv at run time, up to
     // AG_GMAX): the head loops then have fixed trip counts, a fraction of the generic kernel's code.
     // CL: the cluster form's blocks a KV head (0: the grid form); nb == CL then.
-    // OP (cluster form only): the o projection too (attn_oproj.cuh): its weights land after the
-    // scores in the dynamic shared memory, y = op.y; qmode is the weight's activation format.
     constexpr int hd = 32 * V, D2 = hd / 2, PG = AG_THREADS / D2, KP = V >= 8 ? 4 : 8, GM = GC ? GC : AG_GMAX;
-    static_assert(!OP || (CL != 0 && GC * hd == 32 * OP_UNITS), "the o projection: cluster form, 512 values a head");
-    extern __shared__ __align__(16) float sc[];  // G * rmax: scores, then exp(s - M), then the fp16 probabilities
-#if NTX_CLUSTERS
-    __shared__ __align__(16) int8_t oq[OP ? 32 * OP_UNITS : 16];  // the head's output quantized (OP)
-    __shared__ float od[OP ? OP_UNITS : 1], os[OP ? OP_UNITS : 1];
-    uint8_t* const ws = reinterpret_cast<uint8_t*>(sc) + ((GM * rmax * 4 + 127) & ~127);
-#endif
+    extern __shared__ float sc[];  // G * rmax: scores, then exp(s - M), then the fp16 probabilities
     __shared__ float qa[AG_QMAX];  // the group's q (fp16-rounded), later its p.V sums
     __shared__ float wm[AG_WARPS][AG_GMAX], bm[AG_GMAX], gm[AG_GMAX];
     __shared__ double gs[AG_GMAX], bs[AG_GMAX];
@@ -325,9 +315,6 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
     v_words<PG>(vc, col, kv_dim, p0, p1, dt, pg, vw);
     float kf[KP][V];
     k_rows<V, KP>(kc, col, kv_dim, p0, p1, kf);
-#if NTX_CLUSTERS
-    if constexpr (OP) op_issue(op, kvh, c, CL, GM * hd, ws);  // the o weights: after the first K/V loads
-#endif
     if (pre) NTX_PDL();  // q, k and v of the token come from the kernel before
     NTX_SKIP_KIND(2);
     if (ri.k == nullptr) {
@@ -434,19 +421,7 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
     }
     if constexpr (CL != 0) {
         cluster_sync();  // every block's p.V sums (qa) are in place
-#if NTX_CLUSTERS
-        if constexpr (OP) {
-            const int per = qmode == 2 ? 256 : 32;
-            cluster_sum<CL>(qa, G * hd, nact, c, out + (size_t)h0 * hd, 0, oq, od, os, qmode);
-            cluster_sync();  // every block's units of the quantized output are in place
-            op_wait();
-            if (op.wcode == 0) op_rows<FastQ4_K>(op, ws, kvh, n_kv, c, CL, G * hd, per, oq, od, os);
-            else op_rows<FastQ8_0>(op, ws, kvh, n_kv, c, CL, G * hd, per, oq, od, os);
-        } else
-#endif
-            cluster_sum<CL>(qa, G * hd, nact, c, out + (size_t)h0 * hd, h0 * hd, xq, xd, xs, qmode);
-        cluster_arrive();  // this block reads no other's memory now; it leaves when no other reads its own
-        cluster_wait();
+        cluster_sum<CL>(qa, G * hd, nact, c, out + (size_t)h0 * hd, h0 * hd, xq, xd, xs, qmode);
     } else {
         grid_sum(qa, G, hd, h0, nb, nact, c, n_kv, kvh, part, ctr, out, xq, xd, xs, qmode);
     }
@@ -475,21 +450,6 @@ __device__ void grid_attn(const float* __restrict__ q, const uint16_t* __restric
                              xd, xs, qmode, ri);                                                                  \
     }
 
-// The cluster form with the o projection (attn_oproj.cuh): the weight, its type code, its rows and
-// columns, y, the KV heads' parts and the per-rank counters after the attention's arguments.
-#define NTX_CLUSTER_ATTN_O(V, GC, CL, name)                                                                       \
-    extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(AG_THREADS, 1)                        \
-    name(const float* q, const uint16_t* kc, const uint16_t* vc, float* out, const int* pos, int n_head,          \
-         int n_kv, int nb, int rmax, int minr, float scale, float* cmax, double* psum, float* part,              \
-         unsigned int* ctr, int8_t* xq, float* xd, float* xs, int qmode, const float* rk, const float* rv,        \
-         const float* ff, int rope_dim, float rscale, float freq_scale, int neox, const uint8_t* ow, int wcode,   \
-         int orows, int ocols, float* oy, float* opart, unsigned int* octr) {                                     \
-        const RopeIn ri = {rk, rv, ff, rope_dim, rscale, freq_scale, neox};                                       \
-        const OProj op = {ow, wcode, orows, ocols, oy, opart, octr};                                              \
-        grid_attn<V, GC, CL, true>(q, kc, vc, out, pos, n_head, n_kv, CL, rmax, minr, scale, cmax, psum, part,    \
-                                   ctr, xq, xd, xs, qmode, ri, op);                                               \
-    }
-
 // any GQA group size (n_head / n_kv <= AG_GMAX), by head_dim
 NTX_GRID_ATTN(2, 0, attn_grid_2)  // head_dim 64
 NTX_GRID_ATTN(3, 0, attn_grid_3)  // 96
@@ -504,6 +464,4 @@ NTX_GRID_ATTN(2, 3, attn_grid_2_g3)
 // the cluster form (sm_90) for the same pairs, 8 or 16 blocks a KV head (cuda_kernels.CLUSTER_SIZES)
 NTX_CLUSTER_ATTN(4, 4, 8, attn_cl8_4_g4)
 NTX_CLUSTER_ATTN(4, 4, 16, attn_cl16_4_g4)
-NTX_CLUSTER_ATTN_O(4, 4, 8, attn_cl8_4_g4_o)
-NTX_CLUSTER_ATTN_O(4, 4, 16, attn_cl16_4_g4_o)
 #endif

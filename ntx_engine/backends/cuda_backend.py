@@ -13,11 +13,7 @@ next matmul's activation quantization as one: `add` of two same-shape arrays is 
 (`_pending`) until the next op, and when that op is the rmsnorm of its result both run in one
 kernel; every other op launches the held add first (`flush`); "attn" the decode attention's last
 block also quantizes its output for the matmul that reads it (the o projection). Each fused kernel
-computes bit for bit what the unfused kernels compute, but one: "oproj" runs the o projection
-inside the cluster form of the decode attention (attn_oproj.cuh): the attention's launch is held
-back (`_held`) until the next op, and when that op is the matmul of its output by a weight the
-kernel takes (`oproj_smem`), both run in one kernel; its sums add in another order than the
-matvec's (within float rounding: tests/cuda/test_attn_oproj_gpu.py).
+computes bit for bit what the unfused kernels compute.
 """
 
 from __future__ import annotations
@@ -29,24 +25,20 @@ import numpy as np
 from ntx_common.errors import UnsupportedQuantError, UsageError
 from ntx_engine import quants
 from ntx_engine.backends.cuda_driver import DeviceArray, MemoryPool, Stream, Device, download, upload
-from ntx_engine.backends.cuda_kernels import (ATTN_CHUNK, CLUSTER_SIZES as CLUSTER_SIZES_ALL, BLOCK_ELEMENTS, KERNEL_TYPES, MATVEC_MAX_TOKENS, MMQ_TYPES,
+from ntx_engine.backends.cuda_kernels import (ATTN_CHUNK, BLOCK_ELEMENTS, KERNEL_TYPES, MATVEC_MAX_TOKENS, MMQ_TYPES,
                                              CLUSTER_MAX_T, Kernels, fast_matvec_ok, gqa_split_ok,
-                                             grid_attn_shape, grid_cluster_size, oproj_smem)
+                                             grid_attn_shape, grid_cluster_size)
 from ntx_engine.config import ROPE_NEOX, ModelConfig
 from ntx_engine.quants import GGMLType
 
-FUSIONS = ("qkv", "ffn", "rope", "norm", "attn", "oproj")
-# the fusions whose kernels give the unfused kernels' bits ("oproj" adds in another order)
-EXACT_FUSIONS = ",".join(f for f in FUSIONS if f != "oproj")
+FUSIONS = ("qkv", "ffn", "rope", "norm", "attn")
 ATTN_VARIANTS = ("grid", "split", "single")
 # prefill GEMM (dequant.cu + cuBLAS): a matmul of at least GEMM_MIN_TOKENS rows decodes the weight
 # to fp16 in slabs of at most GEMM_SLAB_BYTES and runs one tensor-core GEMM per slab
 GEMM_MIN_TOKENS = 32
 GEMM_SLAB_BYTES = 128 << 20
 GEMM_TYPES = frozenset(KERNEL_TYPES) - {GGMLType.F32, GGMLType.BF16}  # fp16 holds these exactly or as ggml rounds
-# tests/cuda/test_fused_gpu.py passed on the H200: fused == unfused, bit for bit. "oproj" is opt-in
-# (NTX_CUDA_FUSE=all): correct, but slower on the H200 (docs/cuda.md, session 13)
-DEFAULT_FUSE = EXACT_FUSIONS
+DEFAULT_FUSE = "all"  # tests/cuda/test_fused_gpu.py passed on the H200: fused == unfused, bit for bit
 
 
 def gemm_workspace_bytes(cfg: ModelConfig) -> int:
@@ -131,7 +123,6 @@ class CudaBackend:
         self._act_cache: tuple | None = None  # (x, (vec_dot_type, has_min), (x_hat, s))
         self._last_attn: DeviceArray | None = None  # the last decode attention's output ("attn")
         self._attn_key: tuple | None = None  # the act-cache key its matmul asked for
-        self._held: tuple | None = None  # "oproj": a cluster attention's launch held for its matmul
 
     # --- weights -------------------------------------------------------------------------
     def matrix(self, raw, ggml_type, shape, name) -> CudaWeight:
@@ -175,8 +166,6 @@ class CudaBackend:
         return out
 
     def matmul(self, w: CudaWeight, x: DeviceArray) -> DeviceArray:
-        if self._held is not None and x is self._held[0] and self._pending is None and self._oproj_ok(w):
-            return self._attend_oproj(w)
         self.flush()
         n, k = x.shape
         rows = w.shape[0]
@@ -428,12 +417,9 @@ class CudaBackend:
             scratch = (None, None, None, None) if form else (  # the cluster form keeps them in shared memory
                 self._new(c.n_head, nb), self._new(c.n_head, nb, dtype=np.float64),
                 self._new(c.n_head, nb, c.head_dim), self._grid_counters)
-            launch = (out, q, kc, vc, grid, scale, scratch, rope, form)
+            self.k.attention_grid(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, grid, scale,
+                                  scratch, self.stream, self._attn_quant(out), rope, form)
             self._last_attn = out
-            if form and "oproj" in self.fuse:
-                self._held = launch  # launched by the next op, or with the o projection by its matmul
-            else:
-                self._launch_grid(launch)
             return out
         if self.attn != "single" and n == 1 and gqa_split_ok(c.n_head, c.n_head_kv, c.head_dim):
             nchunk = -(-self.n_ctx // ATTN_CHUNK)
@@ -447,34 +433,6 @@ class CudaBackend:
         self.k.attention(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, self.n_ctx, scale,
                          self.stream)
         return out
-
-    def _launch_grid(self, launch: tuple, oproj: tuple | None = None) -> None:
-        """The grid attention's launch held in `launch` (_attend), with the o projection if given."""
-        c = self._model()
-        out, q, kc, vc, grid, scale, scratch, rope, form = launch
-        quant = self._attn_quant(out) if oproj is None else None
-        self.k.attention_grid(q, kc, vc, out, self.pos_buf, c.n_head, c.n_head_kv, c.head_dim, grid, scale, scratch,
-                              self.stream, quant, rope, form, oproj)
-
-    def _oproj_ok(self, w: CudaWeight) -> bool:
-        """Whether the held cluster attention can multiply its output by w itself ("oproj")."""
-        c, held = self._model(), self._held
-        return self.uses_fast(w) and oproj_smem(w.ggml_type, w.shape[0], w.shape[1], c.n_head, c.n_head_kv, c.head_dim,
-                                                held[8], held[4][1], self.k.device.max_smem_optin,
-                                                w.data.ptr) is not None
-
-    def _attend_oproj(self, w: CudaWeight) -> DeviceArray:
-        """matmul(w, the held attention's output): one launch of the cluster attention with w."""
-        c, launch = self._model(), self._held
-        self._held = None
-        rows = w.shape[0]
-        if self._oproj_scratch is None or self._oproj_scratch[0].shape[1] < rows:
-            self._oproj_scratch = (self._new(c.n_head_kv, rows),
-                                   upload(self.pool, np.zeros(max(CLUSTER_SIZES_ALL), np.uint32), self.stream))
-        parts, ctr = self._oproj_scratch
-        y = self._new(1, rows)
-        self._launch_grid(launch, (w.data, w.ggml_type, rows, w.shape[1], y, parts, ctr))
-        return y
 
     def _grid_shape(self, cluster: int = 0) -> tuple[int, int] | None:
         """The grid attention's (nb, rmax, minr) for this model and n_ctx, in the grid form
@@ -541,12 +499,8 @@ class CudaBackend:
         self._act_cache = self._f16_cache = self._last_norm = self._last_attn = None
 
     def flush(self) -> None:
-        """Launch the held-back attention and add, if any. Every op but a fusing rmsnorm (or an
-        o projection taking the attention) calls this first; code that launches kernels on this
-        backend's arrays itself (through `self.k`) must too."""
-        if self._held is not None:
-            launch, self._held = self._held, None
-            self._launch_grid(launch)
+        """Launch the held-back add, if any. Every op but a fusing rmsnorm calls this first; code
+        that launches kernels on this backend's arrays itself (through `self.k`) must too."""
         if self._pending is not None:
             a, b, out = self._pending
             self._pending = None
@@ -577,8 +531,7 @@ class CudaBackend:
         # the grid attention's per-KV-head counters: its barrier, its last block (zero between launches)
         self._grid: dict[int, tuple] = {}  # _grid_shape's answers by form: () where it cannot run
         self._grid_counters = upload(self.pool, np.zeros(2 * cfg.n_head_kv, np.uint32), self.stream)
-        self._last_attn, self._attn_key, self._held = None, None, None
-        self._oproj_scratch = None  # "oproj": the KV heads' parts of y and the per-rank counters
+        self._last_attn, self._attn_key = None, None
         self.pos_buf = self._new(n_ctx, dtype=np.int32)
         self.ids_buf = self._new(n_ctx, dtype=np.int32)
         self._staged = None

@@ -41,9 +41,6 @@ GRID_FIXED_GROUPS = ((4, 4), (4, 8), (2, 3))
 # the cluster form of the grid attention (attn_cl<C>_<V>_g<G>, sm_90 and later): C blocks a KV head
 # in one thread-block cluster; its layouts and cluster sizes, and its static shared memory
 CLUSTER_GROUPS, CLUSTER_SIZES, CLUSTER_STATIC_SMEM = ((4, 4),), (8, 16), 20 * 1024
-# the o projection inside the cluster form (attn_cl<C>_<V>_g<G>_o, attn_oproj.cuh): weight types
-# (FAST_CODES), the values a KV head's output has (OP_UNITS x 32), threads sharing a row's units
-OPROJ_TYPES, OPROJ_LEN, OPROJ_ROW_STEP = (GGMLType.Q4_K, GGMLType.Q8_0), 512, 256 // 16
 # the decode attention takes the cluster form up to this many positions: beyond, the grid form's
 # 32 blocks a KV head beat the cluster's 16 (H200, session 10, attention alone: 8.60 against
 # 10.80 us at 576 positions, 10.41 against 11.82 at 1024, 13.11 against 12.52 at 1280)
@@ -124,27 +121,6 @@ def grid_attn_shape(n_head: int, n_kv: int, head_dim: int, n_ctx: int, sm_count:
     if (CLUSTER_STATIC_SMEM if cluster else GRID_STATIC_SMEM) + 4 * (n_head // n_kv) * rmax > smem_optin:
         return None
     return nb, rmax, minr
-
-
-def oproj_smem(t: GGMLType, rows: int, cols: int, n_head: int, n_kv: int, head_dim: int, cluster: int, rmax: int,
-               smem_optin: int, ptr: int = 0) -> int | None:
-    """Dynamic shared memory of the cluster attention with the o projection inside it
-    (attn_oproj.cuh) for a (rows, cols) weight of type t, or None where it cannot take it: the
-    scores (4 x G x rmax bytes, rounded to 128), then each of the block's rows / cluster rows'
-    chunk of a KV head's columns (whole 16-byte-aligned GGUF blocks for the bulk copies), 16 bytes
-    of padding for the unit decoders' word loads."""
-    from ntx_engine import quants
-
-    g = n_head // n_kv
-    if not cluster or t not in OPROJ_TYPES or (head_dim // 32, g) not in CLUSTER_GROUPS or g * head_dim != OPROJ_LEN:
-        return None
-    if cols != n_head * head_dim or rows % cluster or (rows // cluster) % OPROJ_ROW_STEP or ptr % 16:
-        return None
-    chunk, row_bytes = quants.tensor_nbytes(t, OPROJ_LEN), quants.tensor_nbytes(t, cols)
-    if chunk % 16 or row_bytes % 16:
-        return None
-    smem = _cdiv(4 * g * rmax, 128) * 128 + rows // cluster * chunk + 16
-    return smem if CLUSTER_STATIC_SMEM + smem <= smem_optin else None
 
 
 def grid_fixed_setting() -> bool:
@@ -445,7 +421,7 @@ class Kernels:
         return 2 if int(fits) >= 2 else 1
 
     def attention_grid(self, q, kc, vc, out, pos, n_head, n_kv, head_dim, shape, scale, scratch, stream,
-                       quant=None, rope=None, cluster: int = 0, oproj=None) -> None:
+                       quant=None, rope=None, cluster: int = 0) -> None:
         """Decode attention of one token in one launch (attn_grid.cu), grid (nb, n_kv) for
         shape = (nb, rmax, minr) from grid_attn_shape. scratch = (cmax (n_head, nb) float32, psum
         (n_head, nb) float64, part (n_head, nb, head_dim) float32, 2 * n_kv uint32 counters that
@@ -453,23 +429,12 @@ class Kernels:
         rope_dim, scale, freq_scale, neox): q, k, v are the token's rows before RoPE, and the kernel
         also does rope_kv's work (the caches get the new position); None: q is rotated and stored.
         cluster: the cluster form's blocks a KV head (== nb; grid_cluster_size), 0 for the grid form
-        (the cluster form leaves cmax, psum, part and the counters alone).
-        oproj = (w, type, rows, cols, y, parts (n_kv, rows) float32, cluster uint32 counters at zero):
-        the cluster form also multiplies its output by w (attn_oproj.cuh; see oproj_smem) into y,
-        and quant is ignored (the kernel quantizes for w itself)."""
+        (the cluster form leaves cmax, psum, part and the counters alone)."""
         nb, rmax, minr = shape
         cmax, psum, part, counters = scratch
         xq, xd, xs, qmode = quant if quant is not None else (None, None, None, 0)
         rk, rv, ff, rope_dim, rscale, freq_scale, neox = rope if rope is not None else (None, None, None, 0, 0.0, 0.0, 0)
         name, smem = grid_attn_kernel(n_head, n_kv, head_dim, self.grid_fixed, cluster), 4 * (n_head // n_kv) * rmax
-        extra = ()
-        if oproj is not None:
-            w, t, rows, cols, y, parts, octr = oproj
-            smem = oproj_smem(t, rows, cols, n_head, n_kv, head_dim, cluster, rmax, self.device.max_smem_optin, w.ptr)
-            if smem is None:
-                raise ValueError(f"the cluster attention cannot take a {t.name} ({rows}, {cols}) o projection")
-            name, xq, xd, xs, qmode = name + "_o", None, None, None, 2 if t == GGMLType.Q4_K else 1
-            extra = (w, FAST_CODES[t], rows, cols, y, parts, octr)
         self._allow_smem("attn_grid.cu", name, smem, CLUSTER_STATIC_SMEM if cluster else GRID_STATIC_SMEM)
         if cluster > 8 and name not in self._nonportable:  # 8 blocks is the portable cluster size
             drv = driver()
@@ -479,8 +444,7 @@ class Kernels:
             self._nonportable.add(name)
         self._go("attn_grid.cu", name, (nb, n_kv), (ATTN_SPLIT_THREADS,),
                  (q, kc, vc, out, pos, n_head, n_kv, nb, rmax, minr, float(scale), cmax, psum, part, counters, xq, xd,
-                  xs, int(qmode), rk, rv, ff, int(rope_dim), float(rscale), float(freq_scale), int(neox), *extra),
-                 stream, smem)
+                  xs, int(qmode), rk, rv, ff, int(rope_dim), float(rscale), float(freq_scale), int(neox)), stream, smem)
 
     def _reg_go(self, name: str, wk: int, rows: int, args: tuple, stream: Stream) -> None:
         """A matvec_reg.cu launch: WK x (8 / WK) warps a block, as many blocks as are resident at

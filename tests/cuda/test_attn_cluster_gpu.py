@@ -23,10 +23,10 @@ T = GGMLType
 
 
 def _backend(monkeypatch, cluster: int, cfg=None, n_ctx: int = 300):
-    from ntx_engine.backends.cuda_backend import EXACT_FUSIONS, CudaBackend
+    from ntx_engine.backends.cuda_backend import CudaBackend
 
     monkeypatch.setenv("NTX_CUDA_GRID_CLUSTER", str(cluster))  # Kernels reads it when it is made
-    b = CudaBackend(fuse=EXACT_FUSIONS, attn="grid")  # "oproj" adds in another order than the grid form
+    b = CudaBackend(fuse="all", attn="grid")
     if cfg is not None:
         b.set_model(cfg, n_ctx, None)
     return b

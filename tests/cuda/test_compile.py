@@ -325,15 +325,3 @@ def test_latency_bound_kernels_load_before_the_pdl_wait(monkeypatch, macro, sour
     body = body[: body.index("\n}\n")]
     before = body[: body.rindex("griddepcontrol.wait")].count("ld.global")
     assert (before >= 8) if pre else (before == 0), f"{kernel}: {before} global loads before the wait"
-
-
-def test_oproj_weights_are_copied_before_the_pdl_wait():
-    """The cluster attention with the o projection copies its weight rows into shared memory
-    (cp.async) before griddepcontrol.wait: they never depend on the kernel before."""
-    ptx = _ptx("attn_grid.cu")
-    for kernel in ("attn_cl16_4_g4_o", "attn_cl8_4_g4_o"):
-        body = ptx[ptx.index(f".entry {kernel}("):]
-        body = body[: body.index("\n}\n")]
-        assert "cp.async.wait_all" in body, kernel
-        # the wait of the path without the fused RoPE comes first in the text: the copies precede the last one
-        assert body.index("cp.async.cg.shared.global") < body.rindex("griddepcontrol.wait"), kernel

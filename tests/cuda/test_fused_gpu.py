@@ -21,9 +21,9 @@ T = GGMLType
 def _backends(cfg=None, n_ctx=64, freqs=None, attn=None):
     """(fused, unfused) CUDA backends, set up for cfg when given (tests take the cuda_backend
     fixture first: it skips them where no GPU is usable)."""
-    from ntx_engine.backends.cuda_backend import EXACT_FUSIONS, CudaBackend
+    from ntx_engine.backends.cuda_backend import CudaBackend
 
-    pair = CudaBackend(fuse=EXACT_FUSIONS, attn=attn), CudaBackend(fuse="none", attn=attn)
+    pair = CudaBackend(fuse="all", attn=attn), CudaBackend(fuse="none", attn=attn)
     if cfg is not None:
         for b in pair:
             b.set_model(cfg, n_ctx, freqs)
@@ -212,14 +212,14 @@ CASES = [("tiny", "q8_0", 4), ("tiny", "q4_k_m", 4), ("smollm2-135m", "q4_1", 3)
 def test_fused_model_logits_equal_unfused(cuda_backend, synth, tmp_path, shape, mix, layers):
     """Prefill, decode steps and the CUDA graph: the fused backend gives the unfused one's logits
     bit for bit (so the numpy comparison of test_engine_gpu.py holds for both)."""
-    from ntx_engine.backends.cuda_backend import EXACT_FUSIONS, CudaBackend
+    from ntx_engine.backends.cuda_backend import CudaBackend
     from ntx_engine.backends.cuda_graph import DecodeGraph
     from ntx_engine.model import Transformer, WeightLoader
 
     gf, cfg = synthetic_gguf(synth, tmp_path, shape, mix, layers, seed=4)
     prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, 11)
     runs = []
-    for fuse, graph in ((EXACT_FUSIONS, False), ("none", False), (EXACT_FUSIONS, True)):
+    for fuse, graph in (("all", False), ("none", False), ("all", True)):
         b = CudaBackend(fuse=fuse)
         model = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 64)
         runs.append(greedy_logits(model, DecodeGraph(model).forward if graph else model.forward, prompt, 6))
