@@ -4,12 +4,10 @@
 //
 //   matvecf_multi_n*   up to three dp4a matvecs on the same int8 activations (q, k, v)
 //   matvecf_swiglu_n*  gate and up rows by one warp, silu(gate) * up written directly
-//   matvecf_swiglu_q1  the same for one token, its output also quantized (Q8_1) by block clusters
 //   rope_kv            RoPE of q and k, k and v stored into the layer's F16 KV cache
 //   add_rmsnorm_quanti residual add, RMSNorm and the next matmul's int8 activation quantization
 #include "matvec_fast.cuh"
 #include "ops.cuh"
-#include "cluster.cuh"  // matvecf_swiglu_q1's block clusters
 
 // matvec_multi: rows of W0, W1, W2 numbered one after another; one warp a row as in
 // matvec_fast.cu. ty*: the NTX_FT_* code of each weight; all three share k and the activation
@@ -114,50 +112,6 @@ __device__ void matvec_swiglu(const uint8_t* Wg, const uint8_t* Wu, int tyg, int
 
 NTX_FUSED(1)
 NTX_FUSED(8)
-
-// matvecf_swiglu_q1 (decode, sm_90): matvecf_swiglu_n1 whose blocks also quantize its output for
-// the next matmul as quanti_q8_1 does (Q8_1 blocks of 32 values: a Q8_0 down projection), one
-// launch a layer less. A block holds NTX_FAST_WARPS rows, so the 32 rows of a quantization block
-// are one thread-block cluster of SWQ_CLUSTER blocks: each block leaves its rows' values in its
-// shared memory, and after a cluster barrier the cluster's first block reads them through
-// distributed shared memory and quantizes them with quanti_q8_1's function (the same bits). No
-// global fence or counter (session 8's "downq", which met through global memory, was 3-4 % slower).
-// rows must be a multiple of 32 (the host checks it).
-#define SWQ_CLUSTER (32 / NTX_FAST_WARPS)
-#if NTX_CLUSTERS
-extern "C" __global__ void __cluster_dims__(SWQ_CLUSTER, 1, 1) __launch_bounds__(NTX_FAST_WARPS * 32, NTX_SWIGLU_MINB)
-matvecf_swiglu_q1(const uint8_t* Wg, const uint8_t* Wu, int tyg, int tyu, const int8_t* xq, const float* xd,
-                  const float* xs, float* Y, int rows, int k, int8_t* oq, float* od, float* os) {
-    __shared__ __align__(16) uint8_t stage[NTX_FAST_WARPS][NTX_SWIGLU_STAGES * NTX_FAST_STAGE];
-    __shared__ float ys[NTX_FAST_WARPS];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row = blockIdx.x * NTX_FAST_WARPS + warp;
-    uint4 pre[2 * NTX_PRE_SLOTS];
-    const bool paired = swiglu_paired(1, tyg, tyu);
-    if (NTX_PRE_WAIT) fast_row_start_any(tyg, Wg, row, k, pre);
-    if (NTX_PRE_WAIT && paired) fast_row_start_any(tyu, Wu, row, k, pre + NTX_PRE_SLOTS);
-    NTX_PDL();
-    NTX_SKIP_KIND(8);
-    float g, u;
-    if (paired) {
-        fast_row_pair_any(tyg, Wg, Wu, row, xq, xd, xs, stage[warp], k, &g, &u, pre);
-    } else {
-        fast_row_any<1, NTX_PRE_WAIT != 0>(tyg, Wg, row, xq, xd, xs, stage[warp], k, 1, &g, pre);
-        fast_row_any<1>(tyu, Wu, row, xq, xd, xs, stage[warp], k, 1, &u);
-    }
-    const float v = ntx_swiglu(g, u);
-    if (lane == 0) {
-        Y[row] = v;
-        ys[warp] = v;
-    }
-    cluster_sync();  // every block's rows are in its shared memory
-    if (blockIdx.x % SWQ_CLUSTER == 0 && warp == 0)  // lane l: row first + l, held by block l / W of the cluster
-        quanti_q8_1_value(cluster_peer(ys, lane / NTX_FAST_WARPS)[lane % NTX_FAST_WARPS], oq, od, os,
-                          (size_t)blockIdx.x / SWQ_CLUSTER, lane);
-    cluster_arrive();  // no block leaves while the first one may read its rows
-    cluster_wait();
-}
-#endif
 
 // RoPE of q (n, n_head*head_dim) into q_out and of k (n, n_kv*head_dim), whose rotated values go
 // straight into the F16 K cache at pos[t], with v's into the V cache: ops.cu's rope (twice) and

@@ -12,10 +12,8 @@ two RoPEs and the KV-cache store as one (rope_attention), "norm" a residual add 
 next matmul's activation quantization as one: `add` of two same-shape arrays is held back
 (`_pending`) until the next op, and when that op is the rmsnorm of its result both run in one
 kernel; every other op launches the held add first (`flush`); "attn" the decode attention's last
-block also quantizes its output for the matmul that reads it (the o projection); "ffnq" (with
-"ffn", one token, sm_90) the gate/up kernel quantizes its output for the down projection (Q8_1
-blocks, by thread-block clusters). Each fused kernel computes bit for bit what the unfused kernels
-compute.
+block also quantizes its output for the matmul that reads it (the o projection). Each fused kernel
+computes bit for bit what the unfused kernels compute.
 """
 
 from __future__ import annotations
@@ -33,16 +31,14 @@ from ntx_engine.backends.cuda_kernels import (ATTN_CHUNK, BLOCK_ELEMENTS, KERNEL
 from ntx_engine.config import ROPE_NEOX, ModelConfig
 from ntx_engine.quants import GGMLType
 
-FUSIONS = ("qkv", "ffn", "rope", "norm", "attn", "ffnq")
+FUSIONS = ("qkv", "ffn", "rope", "norm", "attn")
 ATTN_VARIANTS = ("grid", "split", "single")
 # prefill GEMM (dequant.cu + cuBLAS): a matmul of at least GEMM_MIN_TOKENS rows decodes the weight
 # to fp16 in slabs of at most GEMM_SLAB_BYTES and runs one tensor-core GEMM per slab
 GEMM_MIN_TOKENS = 32
 GEMM_SLAB_BYTES = 128 << 20
 GEMM_TYPES = frozenset(KERNEL_TYPES) - {GGMLType.F32, GGMLType.BF16}  # fp16 holds these exactly or as ggml rounds
-# tests/cuda/test_fused_gpu.py passed on the H200: fused == unfused, bit for bit; "ffnq" is opt-in
-# (bit for bit too, but slower on the H200: docs/cuda.md, session 13)
-DEFAULT_FUSE = "qkv,ffn,rope,norm,attn"
+DEFAULT_FUSE = "all"  # tests/cuda/test_fused_gpu.py passed on the H200: fused == unfused, bit for bit
 
 
 def gemm_workspace_bytes(cfg: ModelConfig) -> int:
@@ -127,8 +123,6 @@ class CudaBackend:
         self._act_cache: tuple | None = None  # (x, (vec_dot_type, has_min), (x_hat, s))
         self._last_attn: DeviceArray | None = None  # the last decode attention's output ("attn")
         self._attn_key: tuple | None = None  # the act-cache key its matmul asked for
-        self._last_swiglu: DeviceArray | None = None  # the last fused gate/up output ("ffnq")
-        self._swiglu_key: tuple | None = None  # the act-cache key the down projection asked for
 
     # --- weights -------------------------------------------------------------------------
     def matrix(self, raw, ggml_type, shape, name) -> CudaWeight:
@@ -226,15 +220,6 @@ class CudaBackend:
         xq, (xd, xs) = self._int8_activations(w_gate, x)
         rows = w_gate.shape[0]
         y = self._new(n, rows)
-        self._last_swiglu = y
-        key = self._swiglu_key if "ffnq" in self.fuse else None
-        if key is not None and key[0] in (GGMLType.Q8_0, GGMLType.Q8_1) and \
-                self.k.swiglu_quant_ok(w_gate.ggml_type, w_up.ggml_type, rows, k, n):
-            quant = (self._new(n, rows, dtype=np.int8), self._new(n, rows // 32), self._new(n, rows // 32))
-            self.k.matvec_swiglu(w_gate.data, w_gate.ggml_type, w_up.data, w_up.ggml_type, xq, xd, xs, y, rows, k, n,
-                                 self.stream, quant)
-            self._act_cache = (y, key, (quant[0], quant[1:]))
-            return y
         for t0 in range(0, n, MATVEC_MAX_TOKENS):
             m = min(MATVEC_MAX_TOKENS, n - t0)
             self.k.matvec_swiglu(w_gate.data, w_gate.ggml_type, w_up.data, w_up.ggml_type, xq[t0:t0 + m],
@@ -252,8 +237,6 @@ class CudaBackend:
             self._norm_keys[self._last_norm[1]] = (w.vec_dot_type, w.has_min, True)
         if self._last_attn is not None and x is self._last_attn:
             self._attn_key = (w.vec_dot_type, w.has_min, True)
-        if self._last_swiglu is not None and x is self._last_swiglu:
-            self._swiglu_key = (w.vec_dot_type, w.has_min, True)
         return self._activations(w, x, int8=True)
 
     def _uses_gemm(self, w: CudaWeight, n: int) -> bool:
@@ -513,7 +496,7 @@ class CudaBackend:
         norm and attention outputs): a caller about to rewrite arrays in place (a graph replay
         over its own buffers) makes them stale. Launches the held-back add first."""
         self.flush()
-        self._act_cache = self._f16_cache = self._last_norm = self._last_attn = self._last_swiglu = None
+        self._act_cache = self._f16_cache = self._last_norm = self._last_attn = None
 
     def flush(self) -> None:
         """Launch the held-back add, if any. Every op but a fusing rmsnorm calls this first; code
@@ -549,7 +532,6 @@ class CudaBackend:
         self._grid: dict[int, tuple] = {}  # _grid_shape's answers by form: () where it cannot run
         self._grid_counters = upload(self.pool, np.zeros(2 * cfg.n_head_kv, np.uint32), self.stream)
         self._last_attn, self._attn_key = None, None
-        self._last_swiglu, self._swiglu_key = None, None
         self.pos_buf = self._new(n_ctx, dtype=np.int32)
         self.ids_buf = self._new(n_ctx, dtype=np.int32)
         self._staged = None

@@ -277,16 +277,9 @@ class Kernels:
 
     def matvec_swiglu(self, wg: DeviceArray, tg: GGMLType, wu: DeviceArray, tu: GGMLType, xq: DeviceArray,
                       xd: DeviceArray, xs: DeviceArray, y: DeviceArray, rows: int, k: int, n: int,
-                      stream: Stream, quant: tuple | None = None) -> None:
+                      stream: Stream) -> None:
         """y (n, rows) = swiglu(x . wg^T, x . wu^T) in one kernel (fused.cu's matvecf_swiglu, or
-        matvec_reg.cu's for one row of Q4_K gate and up weights). quant = (yq, yd, ys): y also
-        quantized as quantize_int8 does for Q8_0 / Q8_1 (matvecf_swiglu_q1; see swiglu_quant_ok)."""
-        if quant is not None:
-            if not self.swiglu_quant_ok(tg, tu, rows, k, n):
-                raise ValueError(f"matvecf_swiglu_q1 cannot take {rows} rows of {k} for {n} tokens")
-            self._go("fused.cu", "matvecf_swiglu_q1", (rows // self.fast_rows,), (32 * self.fast_rows,),
-                     (wg, wu, FAST_CODES[tg], FAST_CODES[tu], xq, xd, xs, y, rows, k, *quant), stream)
-            return
+        matvec_reg.cu's for one row of Q4_K gate and up weights)."""
         shape = reg_shape(tg, k, n, self.reg)
         if shape is not None and tg == tu:
             self._reg_go(f"matvecr_swiglu_{FAST_TYPES[tg]}_p{shape[0]}", shape[1], rows, (wg, wu, xq, xd, xs, y, rows, k),
@@ -295,13 +288,6 @@ class Kernels:
         self._go("fused.cu", f"matvecf_swiglu_{'n1' if n == 1 else 'n8'}", (_cdiv(rows, self.fast_rows),),
                  (32 * self.fast_rows,), (wg, wu, FAST_CODES[tg], FAST_CODES[tu], xq, xd, xs, y, rows, k, n),
                  stream)
-
-    def swiglu_quant_ok(self, tg: GGMLType, tu: GGMLType, rows: int, k: int, n: int) -> bool:
-        """Whether matvec_swiglu can also quantize its output (Q8_1 blocks, matvecf_swiglu_q1): one
-        token, whole 32-row blocks that are whole clusters of fast_rows-row blocks (sm_90), and a
-        product the register kernels do not take."""
-        return (n == 1 and rows % 32 == 0 and 32 % self.fast_rows == 0 and self.device.cc >= (9, 0)
-                and not (reg_shape(tg, k, n, self.reg) is not None and tg == tu))
 
     def add_rmsnorm_quanti(self, x, d, s, w, out, xq, xd, xs, eps: float, qmode: int, stream: Stream) -> None:
         """s = x + d (d None: no add), out = rmsnorm(s) * w, and out quantized for the next

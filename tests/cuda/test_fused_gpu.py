@@ -80,48 +80,6 @@ def test_matmul_swiglu_equals_swiglu_of_two_matmuls(cuda_backend, synth, t, n):
     assert _rel(got, ref) < 2e-5
 
 
-@pytest.mark.parametrize("rows", [14336, 512])
-def test_swiglu_quantizes_its_output_for_the_down_projection(cuda_backend, synth, rows):
-    """"ffnq": once the Q8_0 down projection has asked for Q8_1 activations of the gate/up output,
-    the one-token gate/up kernel quantizes its output itself (matvecf_swiglu_q1, clusters of
-    blocks): no quanti_q8_1 launch for it (x's own remains), and the output, its int8 values, scales and sums and the down
-    projection's result equal the unfused kernels' bit for bit (the fused values against
-    quantize_int8 of the output too)."""
-    from ntx_engine.backends.cuda_backend import CudaBackend
-
-    k = 4096
-    (_, _, rg), (_, _, ru) = _weights(synth, [(T.Q8_0, rows), (T.Q8_0, rows)], k, 5 + rows)
-    rd = synth.random_blocks(T.Q8_0, k * rows, np.random.default_rng(rows))
-    rng = np.random.default_rng(rows + 1)
-    xs = [rng.standard_normal((1, k)).astype(np.float32) for _ in range(3)]
-    runs = []
-    for fuse in ("all", "qkv,ffn,rope,norm,attn"):
-        b = CudaBackend(fuse=fuse)
-        wg, wu, wd = (b.matrix(rg, T.Q8_0, (rows, k), "g"), b.matrix(ru, T.Q8_0, (rows, k), "u"),
-                      b.matrix(rd, T.Q8_0, (k, rows), "d"))
-        outs = []
-        for i, x in enumerate(xs):
-            b.k.profile = []
-            y = b.matmul_swiglu(wg, wu, b.from_numpy(x))
-            acts = b._act_cache
-            z = b.matmul(wd, y)
-            ran = [name for name, *_ in b.k.profile]
-            b.k.profile = None
-            if fuse == "all" and i > 0:  # the first call learns the down projection's format
-                assert "matvecf_swiglu_q1" in ran and ran.count("quanti_q8_1") == 1, ran  # x's alone
-                yq, (yd, ys) = acts[2]
-                want = [b._new(1, rows, dtype=np.int8), b._new(1, rows // 32), b._new(1, rows // 32)]
-                b.k.quantize_int8(T.Q8_0, y, *want, b.stream)
-                for got, ref, what in zip((yq, yd, ys), want, ("int8 values", "scales", "sums")):
-                    assert np.array_equal(b.to_numpy(got), b.to_numpy(ref)), f"{what} differ from quanti_q8_1's"
-            else:
-                assert "matvecf_swiglu_q1" not in ran, ran
-            outs += [b.to_numpy(y), b.to_numpy(z)]
-        runs.append(outs)
-    for i, (got, want) in enumerate(zip(*runs)):
-        assert np.isfinite(got).all() and np.array_equal(got, want), f"output {i} differs from the unfused kernels"
-
-
 def _cfg(rope_type, rope_dim, head_dim, n_head, n_kv, freq_scale=1.0) -> ModelConfig:
     return ModelConfig(arch="llama", n_layers=2, n_embd=n_head * head_dim, n_ff=256, n_head=n_head,
                        n_head_kv=n_kv, head_dim=head_dim, rope_dim=rope_dim, rope_base=10000.0,

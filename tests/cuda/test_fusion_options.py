@@ -14,7 +14,6 @@ from ntx_engine.backends.cuda_backend import DEFAULT_FUSE, FUSIONS, parse_fusion
 def test_fusion_names(monkeypatch):
     monkeypatch.delenv("NTX_CUDA_FUSE", raising=False)
     assert parse_fusions(None) == parse_fusions(DEFAULT_FUSE)
-    assert parse_fusions(None) == frozenset(FUSIONS) - {"ffnq"}  # opt-in: slower on the H200 (docs/cuda.md)
     assert parse_fusions("all") == parse_fusions(True) == frozenset(FUSIONS)
     assert parse_fusions("none") == parse_fusions(False) == parse_fusions("") == frozenset()
     assert parse_fusions("qkv, norm") == {"qkv", "norm"}
