@@ -174,6 +174,34 @@ def fast_matvec_ok(t: GGMLType, ptr: int, k: int) -> bool:
     return ptr % 16 == 0 and quants.tensor_nbytes(t, k) % 16 == 0
 
 
+def compile_kernels(arch: str, cache_dir: Path | None = None) -> dict[str, bytes]:
+    """The cubins of cuda_nvrtc.SOURCES for arch: from the disk cache, or compiled side by side
+    behind a progress bar on stderr (a first run on a GPU, or after the kernels or NVRTC change)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ntx_common.console import err
+
+    progress: Progress | None = None
+    task = None
+
+    def on_compile(done: int, total: int) -> None:
+        nonlocal progress, task
+        if progress is None:
+            where = cuda_nvrtc.default_cache_dir() if cache_dir is None else cache_dir
+            progress = Progress(TextColumn(f"compiling CUDA kernels for {arch} (once; cached in {where})"), BarColumn(),
+                                MofNCompleteColumn(), TextColumn("sources"), TimeElapsedColumn(), console=err,
+                                transient=True)
+            progress.start()
+            task = progress.add_task("nvrtc", total=total)
+        progress.update(task, completed=done)
+
+    try:
+        return cuda_nvrtc.cached_cubins(cuda_nvrtc.SOURCES, arch, cache_dir, on_compile=on_compile)
+    finally:
+        if progress is not None:
+            progress.stop()
+
+
 class Kernels:
     def __init__(self, device: Device, cache_dir: Path | None = None, matvec: str = "fast",
                  pdl: bool | None = None) -> None:
@@ -186,8 +214,8 @@ class Kernels:
         self.pdl = pdl if pdl is not None else os.environ.get("NTX_CUDA_PDL", "1") == "1"
         self.pdl = self.pdl and int(device.arch.removeprefix("sm_")) >= 90
         self.profile: list | None = None  # (name, start Event, end Event) per launch while a list
-        self.modules = {src: Module(cuda_nvrtc.cached_cubin(src, device.arch, cache_dir), src)
-                        for src in cuda_nvrtc.SOURCES}
+        cubins = compile_kernels(device.arch, cache_dir)
+        self.modules = {src: Module(cubins[src], src) for src in cuda_nvrtc.SOURCES}
         self._smem_limits: dict[tuple[str, str], int] = {}  # dynamic shared memory allowed so far
         self._reg_per_sm: dict[tuple[str, int], int] = {}  # matvec_reg.cu's resident blocks an SM, by (kernel, block)
         self.reg = reg_build()  # the defines the modules below are compiled with

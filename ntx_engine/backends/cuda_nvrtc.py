@@ -102,11 +102,40 @@ def compile_cubin(source: str, arch: str, kernel_dir: Path = KERNEL_DIR) -> tupl
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+def cache_path(source: str, arch: str, cache_dir: Path | None = None, kernel_dir: Path = KERNEL_DIR) -> Path:
+    """Where the disk cache keeps the cubin of `source` for `arch` (cache_key names it)."""
+    cache = cache_dir or default_cache_dir()
+    return cache / f"{Path(source).stem}-{arch}-{cache_key(source, arch, kernel_dir)}.cubin"
+
+
+def cached_cubins(sources, arch: str, cache_dir: Path | None = None, kernel_dir: Path = KERNEL_DIR,
+                  on_compile=None) -> dict[str, bytes]:
+    """{source: cubin} for each of `sources`, as cached_cubin gives them, the ones not yet in
+    the cache compiled side by side on threads (NVRTC releases the GIL): a first run pays for the
+    slowest source, not their sum. on_compile(done, total) is called before the first compile and
+    after each one; it is not called when every source is cached."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    sources = list(sources)
+    missing = [s for s in sources if not cache_path(s, arch, cache_dir, kernel_dir).exists()]
+    built: dict[str, bytes] = {}
+    if missing:
+        if on_compile:
+            on_compile(0, len(missing))
+        with ThreadPoolExecutor(max_workers=min(len(missing), os.cpu_count() or 1)) as pool:
+            jobs = {pool.submit(cached_cubin, s, arch, cache_dir, kernel_dir): s for s in missing}
+            for done, job in enumerate(as_completed(jobs), 1):
+                built[jobs[job]] = job.result()  # a compile error (CudaError with the log) stops here
+                if on_compile:
+                    on_compile(done, len(missing))
+    return {s: built[s] if s in built else cached_cubin(s, arch, cache_dir, kernel_dir) for s in sources}
+
+
 def cached_cubin(source: str, arch: str, cache_dir: Path | None = None,
                  kernel_dir: Path = KERNEL_DIR) -> bytes:
     """The cubin of `source` for `arch`, compiled once and then read from the disk cache."""
-    cache = cache_dir or default_cache_dir()
-    target = cache / f"{Path(source).stem}-{arch}-{cache_key(source, arch, kernel_dir)}.cubin"
+    target = cache_path(source, arch, cache_dir, kernel_dir)
+    cache = target.parent
     if target.exists():
         return target.read_bytes()
     cubin, _ = compile_cubin(source, arch, kernel_dir)

@@ -144,6 +144,34 @@ def test_cache_reuses_cubin_and_keys_on_source(tmp_path):
     assert len(list(cache.iterdir())) == 3
 
 
+def test_uncached_sources_compile_side_by_side(tmp_path):
+    """cached_cubins: the sources missing from the cache compiled on threads, with progress
+    (0 of n, then one call a finished source), the same bytes a compile of each alone gives,
+    written to the cache; a second call compiles nothing, and a changed source alone recompiles."""
+    kdir = tmp_path / "kernels"
+    shutil.copytree(cuda_nvrtc.KERNEL_DIR, kdir)
+    cache, sources, calls = tmp_path / "cache", ["ops.cu", "dequant.cu", "mmq.cu"], []
+    got = cuda_nvrtc.cached_cubins(sources, "sm_90", cache, kdir, on_compile=lambda d, t: calls.append((d, t)))
+    assert calls == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    assert got == {s: cuda_nvrtc.compile_cubin(s, "sm_90", kdir)[0] for s in sources}
+    assert sorted(p.read_bytes() for p in cache.iterdir()) == sorted(got.values())
+    calls.clear()
+    assert cuda_nvrtc.cached_cubins(sources, "sm_90", cache, kdir, on_compile=lambda d, t: calls.append((d, t))) == got
+    assert calls == []
+    (kdir / "ops.cu").write_text((kdir / "ops.cu").read_text() + "\n// changed\n")
+    cuda_nvrtc.cached_cubins(sources, "sm_90", cache, kdir, on_compile=lambda d, t: calls.append((d, t)))
+    assert calls == [(0, 1), (1, 1)] and len(list(cache.iterdir())) == 4
+
+
+def test_a_failing_source_among_parallel_compiles_carries_its_log(tmp_path):
+    shutil.copy(cuda_nvrtc.KERNEL_DIR / "ops.cu", tmp_path)
+    for header in cuda_nvrtc.KERNEL_DIR.glob("*.cuh"):
+        shutil.copy(header, tmp_path)
+    (tmp_path / "broken.cu").write_text('extern "C" __global__ void k(float* x) { x[0] = undefined_name; }\n')
+    with pytest.raises(CudaError, match=r"(?s)nvrtcCompileProgram\(broken.cu, sm_90\).*undefined_name"):
+        cuda_nvrtc.cached_cubins(["ops.cu", "broken.cu"], "sm_90", tmp_path / "cache", tmp_path)
+
+
 def test_compile_error_carries_the_log(tmp_path):
     (tmp_path / "broken.cu").write_text('extern "C" __global__ void k(float* x) { x[0] = undefined_name; }\n')
     with pytest.raises(CudaError) as exc:
