@@ -116,8 +116,8 @@ def cached_cubins(sources, arch: str, cache_dir: Path | None = None, kernel_dir:
     after each one; it is not called when every source is cached."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    sources = list(sources)
-    missing = [s for s in sources if not cache_path(s, arch, cache_dir, kernel_dir).exists()]
+    paths = {s: cache_path(s, arch, cache_dir, kernel_dir) for s in sources}  # each key hashed once
+    missing = [s for s, path in paths.items() if not path.exists()]
     built: dict[str, bytes] = {}
     if missing:
         if on_compile:
@@ -128,7 +128,7 @@ def cached_cubins(sources, arch: str, cache_dir: Path | None = None, kernel_dir:
                 built[jobs[job]] = job.result()  # a compile error (CudaError with the log) stops here
                 if on_compile:
                     on_compile(done, len(missing))
-    return {s: built[s] if s in built else cached_cubin(s, arch, cache_dir, kernel_dir) for s in sources}
+    return {s: built[s] if s in built else path.read_bytes() for s, path in paths.items()}
 
 
 def cached_cubin(source: str, arch: str, cache_dir: Path | None = None,
