@@ -160,6 +160,10 @@ class Transformer:
             raise ModelError(f"context length exceeded: {start + len(ids)} tokens > n_ctx {self.n_ctx}")
         pos = np.arange(start, start + len(ids))
         x = self.embed(np.asarray(ids))
+        if layers is None and len(ids) == 1 and self._stackable():
+            y = self.backend.decode_stack(self.w.layers, x, start)
+            if y is not None:  # every layer in one launch (CudaBackend's "stack")
+                return self.head(y, all_logits)
         order = range(self.cfg.n_layers) if layers is None else layers
         if hasattr(self.source, "begin"):  # the streaming pipeline follows the pass's layer set
             self.source.begin(order)
@@ -170,6 +174,15 @@ class Transformer:
             finally:
                 self.source.release(i)
         return self.head(self.settle(x), all_logits)
+
+    def _stackable(self) -> bool:
+        """Whether a backend's one-launch decode of all layers (decode_stack) may stand for the
+        loop: resident layers and none of the per-layer hooks replaced (hybrid, MoE, skip)."""
+        cls = type(self)
+        return (hasattr(self.backend, "decode_stack") and type(self.source) is ResidentLayers
+                and "run_layer" not in vars(self) and cls.run_layer is Transformer.run_layer
+                and cls.block is Transformer.block and cls.attention is Transformer.attention
+                and cls.ffn is Transformer.ffn)
 
     # hooks: hybrid.HostLayers runs some layers on a host backend (x then lives in host memory)
     def run_layer(self, i: int, lw: LayerWeights, x: Any, pos: np.ndarray, start: int) -> Any:

@@ -13,7 +13,10 @@ next matmul's activation quantization as one: `add` of two same-shape arrays is 
 (`_pending`) until the next op, and when that op is the rmsnorm of its result both run in one
 kernel; every other op launches the held add first (`flush`); "attn" the decode attention's last
 block also quantizes its output for the matmul that reads it (the o projection). Each fused kernel
-computes bit for bit what the unfused kernels compute.
+computes bit for bit what the unfused kernels compute. "stack" (opt-in, not in "all") runs a
+one-token step's layers in one persistent launch where every layer matrix is Q8_0
+(`decode_stack`, backends/cuda_layers.py): held to the numpy backend within tolerances, not bit
+for bit.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from ntx_engine.backends.cuda_kernels import (ATTN_CHUNK, BLOCK_ELEMENTS, KERNEL
 from ntx_engine.config import ROPE_NEOX, ModelConfig
 from ntx_engine.quants import GGMLType
 
-FUSIONS = ("qkv", "ffn", "rope", "norm", "attn")
+FUSIONS = ("qkv", "ffn", "rope", "norm", "attn", "stack")
+OPT_IN_FUSIONS = frozenset({"stack"})  # named explicitly; "all" is the others
 ATTN_VARIANTS = ("grid", "split", "single")
 # prefill GEMM (dequant.cu + cuBLAS): a matmul of at least GEMM_MIN_TOKENS rows decodes the weight
 # to fp16 in slabs of at most GEMM_SLAB_BYTES and runs one tensor-core GEMM per slab
@@ -50,14 +54,17 @@ def gemm_workspace_bytes(cfg: ModelConfig) -> int:
 
 
 def parse_fusions(fuse) -> frozenset:
-    """fuse: None (NTX_CUDA_FUSE, default DEFAULT_FUSE), True/False, "all"/"none", or names of FUSIONS."""
+    """fuse: None (NTX_CUDA_FUSE, default DEFAULT_FUSE), True/False, "all"/"none", or names of FUSIONS
+    ("all" in a list stands for every fusion but the opt-in ones, OPT_IN_FUSIONS)."""
     if fuse is None:
         fuse = os.environ.get("NTX_CUDA_FUSE", DEFAULT_FUSE)
     if fuse is True or fuse in ("all", "1"):
-        return frozenset(FUSIONS)
+        return frozenset(FUSIONS) - OPT_IN_FUSIONS
     if fuse is False or fuse in ("none", "0", ""):
         return frozenset()
     names = frozenset(n.strip() for n in fuse.split(",")) if isinstance(fuse, str) else frozenset(fuse)
+    if "all" in names:  # e.g. "all,stack": the default set and opt-in ones
+        names = (names - {"all"}) | (frozenset(FUSIONS) - OPT_IN_FUSIONS)
     if not names <= set(FUSIONS):
         raise UsageError(f"unknown CUDA fusion(s) {sorted(names - set(FUSIONS))} (NTX_CUDA_FUSE); "
                          f"use all, none or a comma list of {', '.join(FUSIONS)}")
@@ -123,6 +130,7 @@ class CudaBackend:
         self._act_cache: tuple | None = None  # (x, (vec_dot_type, has_min), (x_hat, s))
         self._last_attn: DeviceArray | None = None  # the last decode attention's output ("attn")
         self._attn_key: tuple | None = None  # the act-cache key its matmul asked for
+        self._stack: tuple | None = None  # "stack": (layers, StackDecode or None, why not)
 
     # --- weights -------------------------------------------------------------------------
     def matrix(self, raw, ggml_type, shape, name) -> CudaWeight:
@@ -476,6 +484,30 @@ class CudaBackend:
         self._act_cache = (out, key, (xq, (xd, xs)))
         return xq, xd, xs, qmode
 
+    def decode_stack(self, layers: list, x: DeviceArray, start: int) -> DeviceArray | None:
+        """"stack": every layer for the one token x at position start in one persistent launch
+        (backends/cuda_layers.py), returning the residual after the last layer; None where it
+        cannot run (not asked for, or the model does not fit it: `stack_why_not`)."""
+        if "stack" not in self.fuse or x.shape[0] != 1:
+            return None
+        from ntx_engine.backends.cuda_layers import StackDecode, stack_unfit
+
+        if self._stack is None or self._stack[0] is not layers:
+            c, dev = self._model(), self.device
+            why = stack_unfit(c, layers, self.n_ctx, dev.cc, dev.sm_count, dev.max_smem_optin)
+            self._stack = (layers, None if why else StackDecode(self, layers), why)
+        if self._stack[1] is None:
+            return None
+        self.flush()
+        self._check_room(start, 1)
+        self._stage_positions(np.arange(start, start + 1))
+        return self._stack[1].run(x)
+
+    @property
+    def stack_why_not(self) -> str | None:
+        """Why the last decode_stack call fell back to the layer-by-layer kernels (None: it did not)."""
+        return None if self._stack is None else self._stack[2]
+
     def swiglu(self, gate: DeviceArray, up: DeviceArray) -> DeviceArray:
         self.flush()
         out = self._new(*gate.shape)
@@ -532,6 +564,7 @@ class CudaBackend:
         self._grid: dict[int, tuple] = {}  # _grid_shape's answers by form: () where it cannot run
         self._grid_counters = upload(self.pool, np.zeros(2 * cfg.n_head_kv, np.uint32), self.stream)
         self._last_attn, self._attn_key = None, None
+        self._stack = None
         self.pos_buf = self._new(n_ctx, dtype=np.int32)
         self.ids_buf = self._new(n_ctx, dtype=np.int32)
         self._staged = None

@@ -8,13 +8,15 @@ import argparse
 import pytest
 
 from ntx_common.errors import UsageError
-from ntx_engine.backends.cuda_backend import DEFAULT_FUSE, FUSIONS, parse_fusions
+from ntx_engine.backends.cuda_backend import DEFAULT_FUSE, FUSIONS, OPT_IN_FUSIONS, parse_fusions
 
 
 def test_fusion_names(monkeypatch):
     monkeypatch.delenv("NTX_CUDA_FUSE", raising=False)
     assert parse_fusions(None) == parse_fusions(DEFAULT_FUSE)
-    assert parse_fusions("all") == parse_fusions(True) == frozenset(FUSIONS)
+    assert parse_fusions("all") == parse_fusions(True) == frozenset(FUSIONS) - OPT_IN_FUSIONS
+    assert "stack" in FUSIONS and "stack" not in parse_fusions("all")
+    assert parse_fusions("all,stack") == frozenset(FUSIONS)
     assert parse_fusions("none") == parse_fusions(False) == parse_fusions("") == frozenset()
     assert parse_fusions("qkv, norm") == {"qkv", "norm"}
     monkeypatch.setenv("NTX_CUDA_FUSE", "ffn,rope")

@@ -1,0 +1,629 @@
+// The whole decode step of a Q8_0 model's layers in ONE persistent launch ("stack" decode).
+//
+// The one-kernel-per-op step (fused.cu, attn_grid.cu, matvec_fast.cu) pays, at every op, a
+// launch, a ramp-up and a drain, and its latency-bound ops (the norms, the attention) leave HBM
+// idle. Here one block an SM runs every layer: each block owns a fixed slice of every matrix's
+// rows, and a ring of shared-memory slots (LQ_SLOTS x LQ_SLOT bytes) is kept filled with the
+// block's next weight rows by bulk copies (cp.async.bulk on an mbarrier a slot), in the order the
+// block will multiply them, across matrices and layers. A weight never depends on the token, so
+// the ring streams during the norms, the attention and the waits between the ops: when one ends,
+// the next matrix's first ~175 KB an SM are already on chip.
+//
+// A layer: (1) every block forms the RMSNorm of the residual and its Q8_1 quantization in its own
+// shared memory (the same values in every block); (2) q/k/v rows; (3) attention, one block a
+// (KV head, context chunk): RoPE of the group's q and of the new k, the new K/V row into the cache,
+// scores, softmax over the chunk and p.V; the last chunk of a head to finish combines the chunks
+// (flash-decoding: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c); (4) every block quantizes
+// the attention output and multiplies its o rows, adding the residual; (5) the second norm;
+// (6) gate/up rows, silu(g) * u; (7) every block quantizes that and multiplies its down rows,
+// adding the residual. Between the steps a block waits on a counter in global memory that the
+// producing blocks increment (release) after their stores; nothing else synchronizes the grid.
+// The counters are zeroed before each launch (cuda_layers.StackDecode).
+//
+// Rounding: the matvec units are FastQ8_0's (fp16 weight scale times the int dot, times the
+// activation's fp16 scale), summed per row in a fixed order (lane, then warp parts); the norm and
+// the activation quantization are ggml's (rmsnorm.cuh, act_quant.cuh); q and the new k are rounded
+// to fp16 as in the other attention kernels, p is not (float softmax per chunk), so the step is
+// held to the numpy backend and to the one-kernel-per-op step within tolerances, not bit for bit.
+//
+// Every block of the grid must be resident at once (one an SM: its shared memory allows no
+// second); a block waits at most LQ_DEADLINE_NS at a counter before trapping (the launch then
+// fails with an error instead of hanging). sm_90 only (bulk copies); the host checks.
+#include "ntx_half.cuh"
+#include "warp.cuh"
+#include "rmsnorm.cuh"
+#include "act_quant.cuh"
+#include "fast_units.cuh"  // ld8
+#include "attn_common.cuh"
+#include "ops.cuh"
+
+#define LQ_THREADS 512
+#define LQ_WARPS (LQ_THREADS / 32)
+#define LQ_SLOTS 5         // slots of shared memory (the ring uses NTX_LQ_SLOTS of them)
+#ifndef NTX_LQ_SLOTS
+#define NTX_LQ_SLOTS 5
+#endif
+#define LQ_MAX_LAYERS 96   // layer descriptors kept in shared memory
+#define LQ_YMAX 256        // rows of a matrix a block at most
+#define LQ_SLOT 35840      // bytes a ring slot (16 of them padding: ld8 reads a ninth word)
+#define LQ_KMAX 16384      // the longest activation row (int8 values in shared memory)
+#define LQ_ACT (LQ_KMAX + 4 * (LQ_KMAX / 32))  // Q8_1 values and scales; the attention's scores alias it
+#define LQ_NV 16           // norm values a thread (rows of at most LQ_NV * LQ_THREADS)
+#define LQ_QJ (LQ_KMAX / 32 / LQ_WARPS)  // quantization blocks a warp
+#define LQ_GMAX 8          // query heads a KV head
+#define LQ_DEADLINE_NS 2000000000ull
+#define LQ_NCTR 5          // counters a layer before the KV heads' chunk counters
+#define LQ_BQ 34           // bytes of a Q8_0 block
+#define LQ_MARKS 14        // trace points a layer
+#define LQ_KP 4            // K rows a warp loads at once
+#define LQ_QR 8            // quantization blocks a warp loads at once
+// NTX_LQ_PROBE (a benchmark's probe, default 0): 1 leaves the rows' arithmetic out (garbage out)
+#ifndef NTX_LQ_PROBE
+#define NTX_LQ_PROBE 0
+#endif
+#ifndef NTX_LQ_EVICT_FIRST
+#define NTX_LQ_EVICT_FIRST 1
+#endif
+
+struct LqLayer {  // cuda_layers.LAYER_FIELDS, in this order
+    const uint8_t *wq, *wk, *wv, *wo, *wg, *wu, *wd;
+    const float *attn_norm, *ffn_norm;
+    uint16_t *kc, *vc;
+};
+
+struct LqArgs {
+    const LqLayer* layers;
+    int n_layers;
+    const float* x0;  // the embedded token (the first layer's residual)
+    float *xa, *xb;   // the residual after the attention / after the FFN (xb: the step's output)
+    float *qkv, *att, *hid, *part;  // q|k|v, the attention output, silu(g) * u, the chunks' partials
+    unsigned* ctr;    // n_layers * (LQ_NCTR + n_kv), zero at launch
+    const int* pos;
+    const float* rope_ff;
+    int rope_dim;
+    float rope_scale, freq_scale;
+    int neox;
+    int D, F, n_head, n_kv, chunks;
+    float eps, scale;
+    unsigned long long* trace;
+};
+
+#define LQ_PARAMS                                                                                                 \
+    const LqLayer *layers, int n_layers, const float *x0, float *xa, float *xb, float *qkv, float *att, float *hid, \
+        float *part, unsigned *ctr, const int *pos, const float *rope_ff, int rope_dim, float rope_scale,           \
+        float freq_scale, int neox, int D, int F, int n_head, int n_kv, int chunks, float eps, float scale,     \
+        unsigned long long *trace
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+
+__device__ __forceinline__ unsigned lq_smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void lq_expect(uint64_t* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(lq_smem(bar)), "r"(bytes) : "memory");
+}
+
+// The weights pass through L2 once a step: marked evict-first, so they do not push out what the
+// latency-bound steps read from L2 (the activations other blocks just wrote, this kernel's code).
+__device__ __forceinline__ void lq_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+#if NTX_LQ_EVICT_FIRST
+    unsigned long long pol;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+                 ::"r"(lq_smem(dst)), "l"(src), "r"(bytes), "r"(lq_smem(bar)), "l"(pol)
+                 : "memory");
+#else
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(lq_smem(dst)), "l"(src), "r"(bytes), "r"(lq_smem(bar))
+                 : "memory");
+#endif
+}
+
+__device__ __forceinline__ void lq_wait_full(uint64_t* bar, unsigned parity) {
+    const unsigned long long t0 = global_ns();
+    for (;;) {
+        unsigned ok;
+        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(ok)
+                     : "r"(lq_smem(bar)), "r"(parity)
+                     : "memory");
+        if (ok) return;
+        if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();
+    }
+}
+
+// The block's stores before it are visible to the blocks that wait for *c after it.
+__device__ __forceinline__ void lq_signal(unsigned* c) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(c, 1u);
+    }
+}
+
+__device__ __forceinline__ void lq_wait(const unsigned* c, unsigned target) {
+    if (threadIdx.x == 0) {
+        const unsigned long long t0 = global_ns();
+        while (ld_acquire(c) < target) {
+            if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();  // a block that never came: fail, not hang
+        }
+    }
+    __syncthreads();
+}
+
+// Phases of a layer: 0 q|k|v rows, 1 o rows, 2 gate/up row pairs, 3 down rows.
+__device__ __forceinline__ int lq_rows(const LqArgs& a, int ph) {
+    const int kvd = a.n_kv * (a.D / a.n_head);
+    return ph == 0 ? a.D + 2 * kvd : ph == 2 ? a.F : a.D;
+}
+__device__ __forceinline__ int lq_row_bytes(const LqArgs& a, int ph) { return (ph == 3 ? a.F : a.D) / 32 * LQ_BQ; }
+// Rows a chunk (a ring slot): the largest power of two whose bytes fit a slot and whose rows (gate
+// and up: twice as many) do not outnumber the warps.
+__device__ __forceinline__ int lq_rpc(const LqArgs& a, int ph) {
+    const int rb = lq_row_bytes(a, ph) * (ph == 2 ? 2 : 1), per = ph == 2 ? 2 : 1;
+    int r = 1;
+    while (2 * r * per <= LQ_WARPS && 2 * r * rb <= LQ_SLOT - 16) r *= 2;
+    return r;
+}
+__device__ __forceinline__ int lq_r0(const LqArgs& a, int ph, int b) {
+    return (int)((unsigned)b * (unsigned)lq_rows(a, ph) / gridDim.x);
+}
+// Where the matrix holding row `row` of phase ph ends (q, k and v are three matrices).
+__device__ __forceinline__ int lq_mat_end(const LqArgs& a, int ph, int row) {
+    if (ph != 0) return lq_rows(a, ph);
+    const int kvd = a.n_kv * (a.D / a.n_head);
+    return row < a.D ? a.D : row < a.D + kvd ? a.D + kvd : a.D + 2 * kvd;
+}
+__device__ __forceinline__ const uint8_t* lq_src(const LqLayer& L, const LqArgs& a, int ph, int row, int rb) {
+    const int kvd = a.n_kv * (a.D / a.n_head);
+    if (ph == 0) {
+        if (row < a.D) return L.wq + (size_t)row * rb;
+        if (row < a.D + kvd) return L.wk + (size_t)(row - a.D) * rb;
+        return L.wv + (size_t)(row - a.D - kvd) * rb;
+    }
+    return (ph == 1 ? L.wo : ph == 2 ? L.wg : L.wd) + (size_t)row * rb;
+}
+
+// A chunk's bytes as NTX_LQ_SPLIT bulk copies (16-byte multiples) on one mbarrier.
+#ifndef NTX_LQ_SPLIT
+#define NTX_LQ_SPLIT 1
+#endif
+__device__ __forceinline__ void lq_copy_split(uint8_t* dst, const uint8_t* src, unsigned bytes, uint64_t* bar) {
+    const unsigned part = (bytes / NTX_LQ_SPLIT) & ~15u;
+    for (int i = 0; i < NTX_LQ_SPLIT - 1; ++i) lq_copy(dst + i * part, src + i * part, part, bar);
+    lq_copy(dst + (NTX_LQ_SPLIT - 1) * part, src + (NTX_LQ_SPLIT - 1) * part, bytes - (NTX_LQ_SPLIT - 1) * part, bar);
+}
+
+// The ring's filler: the block's chunks in consumption order (layer, phase, rows), one slot each.
+struct LqFill {
+    int layer, ph, row, r1;
+
+    __device__ void skip_empty(const LqArgs& a) {
+        while (layer < a.n_layers && row >= r1) {
+            if (++ph == 4) { ph = 0; ++layer; }
+            row = lq_r0(a, ph, blockIdx.x);
+            r1 = lq_r0(a, ph, blockIdx.x + 1);
+        }
+    }
+    __device__ void start(const LqArgs& a) {
+        layer = 0; ph = 0;
+        row = lq_r0(a, 0, blockIdx.x);
+        r1 = lq_r0(a, 0, blockIdx.x + 1);
+        skip_empty(a);
+    }
+    // Issue the next chunk into slot (thread 0 only); nothing once past the last layer.
+    __device__ __noinline__ void issue(const LqArgs& a, const LqLayer* lyr, uint8_t* slot, uint64_t* bar) {
+        if (layer >= a.n_layers) return;
+        const int rb = lq_row_bytes(a, ph);
+        const int n = min(min(lq_rpc(a, ph), r1 - row), lq_mat_end(a, ph, row) - row);
+        const LqLayer& L = lyr[layer];
+        const unsigned bytes = (unsigned)(n * rb);
+        lq_expect(bar, ph == 2 ? 2 * bytes : bytes);
+        if (ph == 2) {
+            lq_copy_split(slot, L.wg + (size_t)row * rb, bytes, bar);
+            lq_copy_split(slot + bytes, L.wu + (size_t)row * rb, bytes, bar);
+        } else {
+            lq_copy_split(slot, lq_src(L, a, ph, row, rb), bytes, bar);
+        }
+        row += n;
+        skip_empty(a);
+    }
+};
+
+struct LqShared {
+    LqLayer* layers;  // the layer descriptors
+    uint8_t* ring;
+    uint64_t* full;
+    int8_t* aq;  // the activation row's Q8_1 values
+    float* ad;   // and its fp16-rounded scales
+    float* sc;   // the attention's scores (aliases aq / ad)
+    float* qa;   // the group's rotated q, fp16-rounded
+    uint16_t *knew, *vnew;
+    float* red_o;  // the p.V sums of the position groups
+    float* red;    // [2][LQ_WARPS] row parts
+    float* yrow;   // [LQ_YMAX] a residual phase's products
+    double* part;  // the norm's warp totals
+    float* stat;   // [2][LQ_GMAX] chunk max and sum
+    int* flag;
+};
+
+// x (k values, other blocks' stores: read past L1) as one 32-value Q8_1 block a warp at a time
+// into aq / ad: quanti_q8_1's values.
+__device__ __forceinline__ void lq_quant_block(float v, int8_t* aq, float* ad, int sb, int lane) {
+    float d, inv;
+    ntx_q8_scale(warp_max(fabsf(v)), &d, &inv);
+    aq[32 * sb + lane] = (int8_t)(int)ntx_q8_q(v, inv);
+    if (lane == 0) ad[sb] = ntx_round_f16(d);
+}
+
+__device__ __noinline__ void lq_quant_row(const float* x, int k, const LqShared& s) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nsb = k / 32;
+#pragma unroll 1
+    for (int j0 = 0; j0 * LQ_WARPS < nsb; j0 += LQ_QR) {
+        float v[LQ_QR];
+#pragma unroll
+        for (int j = 0; j < LQ_QR; ++j) {
+            const int sb = warp + LQ_WARPS * (j0 + j);
+            if (sb < nsb) v[j] = __ldcg(x + 32 * sb + lane);
+        }
+#pragma unroll
+        for (int j = 0; j < LQ_QR; ++j) {
+            const int sb = warp + LQ_WARPS * (j0 + j);
+            if (sb < nsb) lq_quant_block(v[j], s.aq, s.ad, sb, lane);
+        }
+    }
+    __syncthreads();
+}
+
+// rmsnorm(x) * w (rmsnorm.cuh's rounding) quantized into aq / ad. Thread t holds values
+// t + LQ_THREADS j, so warp w holds whole quantization blocks w + LQ_WARPS j.
+__device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict__ w, int k, float eps, const LqShared& s) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float v[LQ_NV];
+    double ss = 0.0;
+#pragma unroll
+    for (int j = 0; j < LQ_NV; ++j) {
+        const int i = threadIdx.x + LQ_THREADS * j;
+        if (i < k) v[j] = __ldcg(x + i);
+    }
+#pragma unroll
+    for (int j = 0; j < LQ_NV; ++j)
+        if (threadIdx.x + LQ_THREADS * j < k) ss += (double)v[j] * (double)v[j];
+    const float scale = ntx_norm_scale(ntx_block_total(ss, s.part), k, eps);
+#pragma unroll
+    for (int j = 0; j < LQ_NV; ++j) {
+        const int i = threadIdx.x + LQ_THREADS * j;
+        if (i < k) lq_quant_block(__fmul_rn(__fmul_rn(v[j], scale), __ldg(w + i)), s.aq, s.ad, warp + LQ_WARPS * j, lane);
+    }
+    __syncthreads();
+}
+
+// The dot products of the nd rows of a slot (row_bytes each) with the activations: warp w takes
+// row w / wpr, units (w % wpr) * 32 + lane, step 32 wpr; its sum goes to red[w].
+__device__ __forceinline__ void lq_rows_dot(const uint8_t* slot, int nd, int rb, int units, const LqShared& s,
+                                            float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpr = LQ_WARPS / nd;
+    const int j = warp / wpr, pt = warp % wpr;
+    if (j >= nd || NTX_LQ_PROBE == 1) return;
+    const uint8_t* rowp = slot + (size_t)j * rb;
+    float acc = 0.f;
+    for (int u = pt * 32 + lane; u < units; u += 32 * wpr) {
+        const uint8_t* b = rowp + u * LQ_BQ;
+        uint32_t q[8];
+        ld8(b + 2, q);
+        const int4 xa = reinterpret_cast<const int4*>(s.aq)[2 * u], xb = reinterpret_cast<const int4*>(s.aq)[2 * u + 1];
+        int d = 0;
+        d = __dp4a((int)q[0], xa.x, d); d = __dp4a((int)q[1], xa.y, d);
+        d = __dp4a((int)q[2], xa.z, d); d = __dp4a((int)q[3], xa.w, d);
+        d = __dp4a((int)q[4], xb.x, d); d = __dp4a((int)q[5], xb.y, d);
+        d = __dp4a((int)q[6], xb.z, d); d = __dp4a((int)q[7], xb.w, d);
+        acc += s.ad[u] * (ntx_ldh(b) * (float)d);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) red[warp] = acc;
+}
+
+// A phase's rows of this block against the activations in aq / ad, chunk by chunk from the ring;
+// each chunk's totals go to out(row, total) (gate/up: out(row, g, u)). it: the ring's running chunk
+// count (slot it % LQ_SLOTS, parity (it / LQ_SLOTS) & 1).
+template <class Out>
+__device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, LqFill& fill, unsigned& it, Out out) {
+    const int r0 = lq_r0(a, ph, blockIdx.x), r1 = lq_r0(a, ph, blockIdx.x + 1);
+    const int rb = lq_row_bytes(a, ph), units = (ph == 3 ? a.F : a.D) / 32, rpc = lq_rpc(a, ph);
+    for (int row = r0; row < r1;) {
+        const int n = min(min(rpc, r1 - row), lq_mat_end(a, ph, row) - row), nd = ph == 2 ? 2 * n : n;
+        const int slot = it % NTX_LQ_SLOTS;
+        uint8_t* sp = s.ring + (size_t)slot * LQ_SLOT;
+        float* red = s.red + (it & 1) * LQ_WARPS;
+        lq_wait_full(s.full + slot, (it / NTX_LQ_SLOTS) & 1);
+        lq_rows_dot(sp, nd, rb, units, s, red);
+        __syncthreads();  // the slot is read: refill it
+        if (threadIdx.x == 0) fill.issue(a, s.layers, sp, s.full + slot);
+        const int wpr = LQ_WARPS / nd;
+        if (threadIdx.x < n) {
+            float t = 0.f;
+            for (int p = 0; p < wpr; ++p) t += red[threadIdx.x * wpr + p];
+            if (ph == 2) {
+                float u = 0.f;
+                for (int p = 0; p < wpr; ++p) u += red[(n + threadIdx.x) * wpr + p];
+                out(row + threadIdx.x, t, u);
+            } else {
+                out(row + threadIdx.x, t, 0.f);
+            }
+        }
+        row += n;
+        ++it;
+    }
+}
+
+// A residual phase (o, down): y = res + W x for the block's rows, the residual read before the
+// rows are multiplied (its load overlaps them) and added once they all are.
+__device__ void lq_residual_phase(const LqArgs& a, int ph, const LqShared& s, LqFill& fill, unsigned& it,
+                                  const float* res, float* y) {
+    const int r0 = lq_r0(a, ph, blockIdx.x), nr = lq_r0(a, ph, blockIdx.x + 1) - r0;
+    const float rv = threadIdx.x < nr ? __ldcg(res + r0 + threadIdx.x) : 0.f;
+    lq_phase(a, ph, s, fill, it, [&](int r, float t, float) { s.yrow[r - r0] = t; });
+    __syncthreads();
+    if (threadIdx.x < nr) y[r0 + threadIdx.x] = __fadd_rn(rv, s.yrow[threadIdx.x]);
+}
+
+// One (KV head, chunk) of the layer's attention; the head's last chunk to finish combines them.
+template <int V>
+__device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int layer, int unit, const LqShared& s) {
+    constexpr int HD = 32 * V, NPG = LQ_THREADS / (HD / 2);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int G = a.n_head / a.n_kv, kvd = a.n_kv * HD, C = a.chunks;
+    const int h = unit / C, c = unit % C, pos = __ldg(a.pos), T = pos + 1, len = (T + C - 1) / C;
+    const int p0 = min(T, c * len), p1 = min(T, p0 + len), np = p1 - p0;
+    const size_t col = (size_t)h * HD;
+    float* qraw = s.red_o;  // the raw q of the group and the new k before the rotation
+    for (int i = threadIdx.x; i < G * HD; i += LQ_THREADS) qraw[i] = __ldcg(a.qkv + (size_t)h * G * HD + i);
+    const bool mine = p0 <= pos && pos < p1;
+    if (mine)
+        for (int i = threadIdx.x; i < HD; i += LQ_THREADS) {
+            qraw[G * HD + i] = __ldcg(a.qkv + a.D + col + i);
+            s.vnew[i] = ntx_f2h(__ldcg(a.qkv + a.D + kvd + col + i));
+        }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * HD / 2; i += LQ_THREADS) {
+        int ia, ib;
+        float o0, o1;
+        ntx_rope_pair(qraw, i, HD, a.rope_dim, pos, a.rope_ff, a.rope_scale, a.freq_scale, a.neox, &ia, &ib, &o0, &o1);
+        s.qa[ia] = ntx_round_f16(o0);
+        s.qa[ib] = ntx_round_f16(o1);
+    }
+    if (mine) {
+        for (int i = threadIdx.x; i < HD / 2; i += LQ_THREADS) {
+            int ia, ib;
+            float o0, o1;
+            ntx_rope_pair(qraw + G * HD, i, HD, a.rope_dim, pos, a.rope_ff, a.rope_scale, a.freq_scale, a.neox, &ia,
+                          &ib, &o0, &o1);
+            s.knew[ia] = L.kc[(size_t)pos * kvd + col + ia] = ntx_f2h(o0);
+            s.knew[ib] = L.kc[(size_t)pos * kvd + col + ib] = ntx_f2h(o1);
+        }
+        for (int i = threadIdx.x; i < HD; i += LQ_THREADS) L.vc[(size_t)pos * kvd + col + i] = s.vnew[i];
+    }
+    __syncthreads();
+    // scores: a warp a position, LQ_KP positions' K rows loaded at once
+    for (int base = p0 + warp; base < p1; base += LQ_WARPS * LQ_KP) {
+        float kf[LQ_KP][V];
+#pragma unroll
+        for (int j = 0; j < LQ_KP; ++j) {
+            const int p = base + LQ_WARPS * j;
+            if (p < p1) ld_halves<V>(p == pos ? s.knew + lane * V : L.kc + (size_t)p * kvd + col + lane * V, kf[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < LQ_KP; ++j) {
+            const int p = base + LQ_WARPS * j;
+            if (p >= p1) break;
+            float sg[LQ_GMAX];
+            group_dots<V, LQ_GMAX>(s.qa, kf[j], G, lane, sg);
+            if (lane < G) {
+                float v = 0.f;
+#pragma unroll
+                for (int g = 0; g < LQ_GMAX; ++g)
+                    if (g == lane) v = sg[g];
+                s.sc[lane * np + (p - p0)] = v * a.scale;
+            }
+        }
+    }
+    __syncthreads();
+    // each head's chunk max and exp sum; the scores become e^(s - m)
+    if (warp < G) {
+        float m = -3.402823466e38f;
+        for (int i = lane; i < np; i += 32) m = fmaxf(m, s.sc[warp * np + i]);
+        m = warp_max(m);
+        float l = 0.f;
+        for (int i = lane; i < np; i += 32) {
+            const float e = expf(s.sc[warp * np + i] - m);
+            s.sc[warp * np + i] = e;
+            l += e;
+        }
+        l = warp_sum(l);
+        if (lane == 0) {
+            s.stat[warp] = m;
+            s.stat[LQ_GMAX + warp] = l;
+        }
+    }
+    __syncthreads();
+    // p.V: thread t the dims 2 dt, 2 dt + 1 of positions p0 + pg + NPG i
+    {
+        const int dt = threadIdx.x % (HD / 2), pg = threadIdx.x / (HD / 2);
+        float acc[LQ_GMAX][2];
+#pragma unroll
+        for (int g = 0; g < LQ_GMAX; ++g) acc[g][0] = acc[g][1] = 0.f;
+#pragma unroll 4
+        for (int p = p0 + pg; p < p1; p += NPG) {
+            const uint32_t w = p == pos ? *reinterpret_cast<const uint32_t*>(s.vnew + 2 * dt)
+                                        : *reinterpret_cast<const uint32_t*>(L.vc + (size_t)p * kvd + col + 2 * dt);
+            const float v0 = ntx_h2f((uint16_t)(w & 0xffffu)), v1 = ntx_h2f((uint16_t)(w >> 16));
+#pragma unroll
+            for (int g = 0; g < LQ_GMAX; ++g) {
+                if (g >= G) break;
+                const float e = s.sc[g * np + (p - p0)];
+                acc[g][0] += e * v0;
+                acc[g][1] += e * v1;
+            }
+        }
+        __syncthreads();  // qraw (red_o) is no longer read
+#pragma unroll
+        for (int g = 0; g < LQ_GMAX; ++g) {
+            if (g >= G) break;
+            s.red_o[(pg * G + g) * HD + 2 * dt] = acc[g][0];
+            s.red_o[(pg * G + g) * HD + 2 * dt + 1] = acc[g][1];
+        }
+    }
+    __syncthreads();
+    const int per = 2 * G + G * HD;  // a chunk's partial: max[G], sum[G], o[G][HD]
+    float* mypart = a.part + (size_t)unit * per;
+    for (int t = threadIdx.x; t < G * HD; t += LQ_THREADS) {
+        float o = 0.f;
+        for (int pg = 0; pg < NPG; ++pg) o += s.red_o[pg * G * HD + t];
+        mypart[2 * G + t] = o;
+    }
+    if (threadIdx.x < G) {
+        mypart[threadIdx.x] = np > 0 ? s.stat[threadIdx.x] : -3.402823466e38f;
+        mypart[G + threadIdx.x] = np > 0 ? s.stat[LQ_GMAX + threadIdx.x] : 0.f;
+    }
+    // the head's last chunk to arrive combines the head's chunks
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        s.flag[0] = atomicAdd(a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv) + LQ_NCTR + h, 1u) == (unsigned)(C - 1);
+    }
+    __syncthreads();
+    if (!s.flag[0]) return;
+    __threadfence();
+    const float* hp = a.part + (size_t)h * C * per;
+    float* wt = s.sc;  // the chunks' weights e^(m_c - M) / S (the scores are no longer read)
+    for (int i = threadIdx.x; i < C * G; i += LQ_THREADS) {
+        const int q = i / G, g = i % G;
+        wt[i] = __ldcg(hp + (size_t)q * per + g);
+        wt[C * G + i] = __ldcg(hp + (size_t)q * per + G + g);
+    }
+    __syncthreads();
+    if (threadIdx.x < G) {
+        const int g = threadIdx.x;
+        float M = -3.402823466e38f, S = 0.f;
+        for (int q = 0; q < C; ++q) M = fmaxf(M, wt[q * G + g]);
+        for (int q = 0; q < C; ++q) S += expf(wt[q * G + g] - M) * wt[C * G + q * G + g];
+        for (int q = 0; q < C; ++q) wt[2 * C * G + q * G + g] = expf(wt[q * G + g] - M) / S;
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < G * HD; t += LQ_THREADS) {
+        const int g = t / HD;
+        float o = 0.f;
+#pragma unroll 8
+        for (int q = 0; q < C; ++q) o += wt[2 * C * G + q * G + g] * __ldcg(hp + (size_t)q * per + 2 * G + t);
+        a.att[(size_t)h * G * HD + t] = o;
+    }
+    lq_signal(a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv) + 1);
+}
+
+template <int V>
+__device__ void lq_step(const LqArgs& a) {
+    extern __shared__ __align__(128) uint8_t smem[];
+    constexpr int HD = 32 * V, NPG = LQ_THREADS / (HD / 2);
+    const int G = a.n_head / a.n_kv;
+    __shared__ LqShared s;  // shared: the helpers take it by reference
+    __shared__ LqFill fill;  // thread 0's
+    if (threadIdx.x == 0) {
+        uint8_t* p = smem;
+        s.ring = p; p += LQ_SLOTS * LQ_SLOT;
+        s.aq = reinterpret_cast<int8_t*>(p);
+        s.ad = reinterpret_cast<float*>(p + LQ_KMAX);
+        s.sc = reinterpret_cast<float*>(p);
+        p += LQ_ACT;
+        s.qa = reinterpret_cast<float*>(p); p += 4 * LQ_GMAX * HD;
+        s.red_o = reinterpret_cast<float*>(p); p += 4 * max(NPG * G * HD, (LQ_GMAX + 1) * HD);
+        s.knew = reinterpret_cast<uint16_t*>(p); p += 2 * HD;
+        s.vnew = reinterpret_cast<uint16_t*>(p); p += 2 * HD;
+        s.red = reinterpret_cast<float*>(p); p += 4 * 2 * LQ_WARPS;
+        s.stat = reinterpret_cast<float*>(p); p += 4 * 2 * LQ_GMAX;
+        s.part = reinterpret_cast<double*>(p); p += 8 * 32;
+        s.flag = reinterpret_cast<int*>(p); p += 16;
+        s.yrow = reinterpret_cast<float*>(p); p += 4 * LQ_YMAX;
+        s.layers = reinterpret_cast<LqLayer*>(p); p += sizeof(LqLayer) * LQ_MAX_LAYERS;
+        s.full = reinterpret_cast<uint64_t*>(p);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < a.n_layers * (int)(sizeof(LqLayer) / 8); i += LQ_THREADS)
+        reinterpret_cast<unsigned long long*>(s.layers)[i] = reinterpret_cast<const unsigned long long*>(a.layers)[i];
+
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < NTX_LQ_SLOTS; ++i)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(lq_smem(s.full + i)) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        fill.start(a);
+    }
+    __syncthreads();
+    // the first chunks before the wait for the kernel before (the embedding): weights never depend on it
+    if (threadIdx.x == 0)
+        for (int i = 0; i < NTX_LQ_SLOTS; ++i) fill.issue(a, s.layers, s.ring + (size_t)i * LQ_SLOT, s.full + i);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    unsigned it = 0;
+    const unsigned P = gridDim.x;
+    // a.trace (a benchmark's tool, null otherwise): every block's thread 0
+    // writes the GPU clock at LQ_MARKS points of each layer (cuda_layers.StackDecode.trace)
+#define LQ_MARK(k)                                                                                      \
+    do {                                                                                                \
+        if (a.trace != nullptr && threadIdx.x == 0)                                                     \
+            a.trace[((size_t)layer * LQ_MARKS + (k)) * gridDim.x + blockIdx.x] = global_ns();           \
+    } while (0)
+    for (int layer = 0; layer < a.n_layers; ++layer) {
+        const LqLayer& L = s.layers[layer];
+        unsigned* ctr = a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv);
+        const float* xin = layer == 0 ? a.x0 : a.xb;
+        LQ_MARK(0);
+        if (layer > 0) lq_wait(ctr - (LQ_NCTR + a.n_kv) + 4, P);
+        LQ_MARK(1);
+        lq_norm_row(xin, L.attn_norm, a.D, a.eps, s);
+        LQ_MARK(2);
+        lq_phase(a, 0, s, fill, it, [&](int r, float t, float) { a.qkv[r] = t; });
+        LQ_MARK(3);
+        lq_signal(ctr + 0);
+        if ((int)blockIdx.x < a.n_kv * a.chunks) {
+            lq_wait(ctr + 0, P);
+            lq_attention<V>(a, L, layer, blockIdx.x, s);
+        }
+        LQ_MARK(4);
+        lq_wait(ctr + 1, a.n_kv);
+        LQ_MARK(5);
+        lq_quant_row(a.att, a.D, s);
+        LQ_MARK(6);
+        lq_residual_phase(a, 1, s, fill, it, xin, a.xa);
+        LQ_MARK(7);
+        lq_signal(ctr + 2);
+        lq_wait(ctr + 2, P);
+        LQ_MARK(8);
+        lq_norm_row(a.xa, L.ffn_norm, a.D, a.eps, s);
+        LQ_MARK(9);
+        lq_phase(a, 2, s, fill, it, [&](int r, float g, float u) { a.hid[r] = ntx_swiglu(g, u); });
+        LQ_MARK(10);
+        lq_signal(ctr + 3);
+        lq_wait(ctr + 3, P);
+        LQ_MARK(11);
+        lq_quant_row(a.hid, a.F, s);
+        LQ_MARK(12);
+        lq_residual_phase(a, 3, s, fill, it, a.xa, a.xb);
+        LQ_MARK(13);
+        lq_signal(ctr + 4);
+    }
+}
+
+#define LQ_KERNEL(V)                                                                                               \
+    extern "C" __global__ void __launch_bounds__(LQ_THREADS, 1) layer_q8_hd##V(LQ_PARAMS) {                       \
+        __shared__ LqArgs sa; /* in shared memory: the helpers take it by reference (no local copy) */          \
+        if (threadIdx.x == 0)                                                                                      \
+            sa = {layers, n_layers, x0, xa, xb, qkv, att, hid, part, ctr, pos, rope_ff, rope_dim,                  \
+                  rope_scale, freq_scale, neox, D, F, n_head, n_kv, chunks, eps, scale, trace};                    \
+        __syncthreads();                                                                                           \
+        lq_step<V / 32>(sa);                                                                                       \
+    }
+#else
+#define LQ_KERNEL(V) \
+    extern "C" __global__ void __launch_bounds__(LQ_THREADS, 1) layer_q8_hd##V(LQ_PARAMS) {}
+#endif
+
+LQ_KERNEL(64)
+LQ_KERNEL(128)

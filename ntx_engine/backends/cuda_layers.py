@@ -1,0 +1,124 @@
+"""The "stack" decode: a one-token step's layers in one persistent launch (native/cuda/layer_q8.cu).
+
+One block an SM runs every layer; a ring of shared-memory slots is kept filled with the block's
+next weight rows by bulk copies, so the weights stream while the norms, the attention and the
+waits between the ops run. The blocks meet at counters in global memory, zeroed before each
+launch. It runs where every layer matrix is Q8_0 and the shapes fit (`stack_unfit` says why not);
+the backend's op-by-op kernels run everything else, and the step's head (final norm, output
+matmul, argmax) after it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ntx_engine.backends.cuda_driver import DeviceArray, check, driver, upload
+from ntx_engine.config import ROPE_NEOX, ModelConfig
+from ntx_engine.quants import GGMLType
+
+SOURCE = "layer_q8.cu"
+THREADS = 512  # LQ_THREADS
+SLOTS, SLOT = 5, 35840  # LQ_SLOTS, LQ_SLOT
+KMAX = 16384  # LQ_KMAX: the longest activation row
+ACT_BYTES = KMAX + 4 * (KMAX // 32)  # LQ_ACT: also the attention's scores
+GMAX = 8  # LQ_GMAX: query heads a KV head
+NORM_MAX = 16 * THREADS  # LQ_NV values a thread
+NCTR = 5  # LQ_NCTR: counters a layer before the KV heads'
+TRACE_MARKS = 14  # LQ_MARKS: the trace points a layer
+MAX_CHUNKS = 32  # context chunks a KV head
+MAX_LAYERS = 96  # LQ_MAX_LAYERS: layer descriptors in shared memory
+LAYER_BYTES = 8 * 11  # sizeof(LqLayer)
+STATIC_SMEM = 512  # at least the kernel's static shared memory (ptxas: 384 bytes)
+YMAX = 256  # LQ_YMAX: rows of the o / down projection a block at most
+HEAD_DIMS = (64, 128)  # the kernels built (layer_q8_hd64, layer_q8_hd128)
+LAYER_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm", "ffn_norm")  # + k, v caches
+
+
+def stack_smem(head_dim: int, group: int) -> int:
+    """Dynamic shared memory of the kernel for this head shape (lq_step's layout)."""
+    npg = THREADS // (head_dim // 2)
+    return (SLOTS * SLOT + ACT_BYTES + 4 * GMAX * head_dim + 4 * max(npg * group * head_dim, (GMAX + 1) * head_dim)
+            + 2 * 2 * head_dim + 4 * 2 * (THREADS // 32) + 4 * 2 * GMAX + 8 * 32 + 16 + 4 * YMAX
+            + LAYER_BYTES * MAX_LAYERS + 8 * SLOTS)
+
+
+def stack_chunks(cfg: ModelConfig, sm_count: int) -> int:
+    """Context chunks a KV head: one block each (a block an SM)."""
+    return max(1, min(MAX_CHUNKS, sm_count // cfg.n_head_kv))
+
+
+def stack_unfit(cfg: ModelConfig, layers: list, n_ctx: int, cc: tuple[int, int], sm_count: int,
+                smem_optin: int) -> str | None:
+    """Why the stack decode cannot run this model (None: it can)."""
+    d, f, hd = cfg.n_embd, cfg.n_ff, cfg.head_dim
+    group = cfg.n_head // max(cfg.n_head_kv, 1)
+    if cc < (9, 0):
+        return f"needs sm_90 (bulk copies), the GPU is sm_{cc[0]}{cc[1]}"
+    if cfg.n_expert or cfg.qkv_bias or cfg.qk_norm:
+        return "mixture-of-experts, q/k/v biases and q/k norms are not in the kernel"
+    if cfg.q_dim != d or hd not in HEAD_DIMS or cfg.n_head % cfg.n_head_kv or group > GMAX:
+        return f"head shape {cfg.n_head}x{hd} / {cfg.n_head_kv} KV heads is not built"
+    if d % 256 or f % 256 or d > NORM_MAX or f > KMAX:
+        return f"n_embd {d} / n_ff {f} (multiples of 256, at most {NORM_MAX} / {KMAX})"
+    for lw in layers:
+        for name in LAYER_FIELDS[:7]:
+            w = getattr(lw, name, None)
+            if getattr(w, "ggml_type", None) != GGMLType.Q8_0:
+                return f"{getattr(w, 'name', name)} is {getattr(getattr(w, 'ggml_type', None), 'name', type(w).__name__)}, not Q8_0"
+    if len(layers) > MAX_LAYERS or -(-d // sm_count) > YMAX:
+        return f"{len(layers)} layers of {d} rows on {sm_count} SMs (at most {MAX_LAYERS} layers, {YMAX} rows an SM)"
+    smem = stack_smem(hd, group)
+    if smem + STATIC_SMEM > smem_optin:
+        return f"needs {smem} bytes of shared memory a block, the GPU allows {smem_optin}"
+    if -(-n_ctx // stack_chunks(cfg, sm_count)) * group * 4 > ACT_BYTES:
+        return f"n_ctx {n_ctx} is too long for one chunk's scores"
+    return None
+
+
+class StackDecode:
+    """The buffers of one model's stack decode and its launch (CudaBackend.decode_stack)."""
+
+    def __init__(self, backend, layers: list) -> None:
+        b, cfg = backend, backend.cfg
+        self.b, self.cfg = b, cfg
+        self.n_layers = len(layers)
+        self.chunks = stack_chunks(cfg, b.device.sm_count)
+        self.group = cfg.n_head // cfg.n_head_kv
+        self.kernel = f"layer_q8_hd{cfg.head_dim}"
+        self.smem = stack_smem(cfg.head_dim, self.group)
+        table = np.array([[getattr(lw, n).data.ptr if n.startswith("w") else getattr(lw, n).ptr for n in LAYER_FIELDS]
+                          + [b.k_cache[i].ptr, b.v_cache[i].ptr] for i, lw in enumerate(layers)], np.uint64)
+        self.table = upload(b.pool, table, b.stream)
+        new = b._new
+        d, kvd = cfg.n_embd, cfg.kv_dim
+        self.xa, self.xb = new(1, d), new(1, d)
+        self.qkv, self.att, self.hid = new(d + 2 * kvd), new(d), new(cfg.n_ff)
+        self.part = new(cfg.n_head_kv * self.chunks * (2 * self.group + self.group * cfg.head_dim))
+        self.ctr = new(self.n_layers * (NCTR + cfg.n_head_kv), dtype=np.uint32)
+        k = b.k
+        k._allow_smem(SOURCE, self.kernel, self.smem)
+        fn = k.fn(SOURCE, self.kernel)
+        per_sm = check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, THREADS, self.smem),
+                       f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.kernel})")
+        if int(per_sm) < 1:
+            from ntx_common.errors import CudaError
+
+            raise CudaError(f"{self.kernel} does not fit an SM ({self.smem} bytes of shared memory, {THREADS} threads)")
+        self.blocks = b.device.sm_count
+        # a benchmark's tool: a (n_layers, TRACE_MARKS, blocks) uint64 device array that each block's
+        # thread 0 fills with the GPU clock (ns) at the kernel's LQ_MARK points; None: off
+        self.trace: DeviceArray | None = None
+
+    def run(self, x: DeviceArray) -> DeviceArray:
+        """The residual after every layer for the one token x (1, n_embd) at the staged position."""
+        b, c = self.b, self.cfg
+        check(driver().cuMemsetD32Async(self.ctr.ptr, 0, self.ctr.size, b.stream.handle),
+              f"cuMemsetD32Async({self.ctr.size} counters)")
+        scale = float(np.float32(1.0 / np.sqrt(c.head_dim)))
+        b.k._go(SOURCE, self.kernel, (self.blocks,), (THREADS,),
+                (self.table, self.n_layers, x, self.xa, self.xb, self.qkv, self.att, self.hid, self.part, self.ctr,
+                 b.pos_buf, b.rope_ff, c.rope_dim, b.rope_scale, c.rope_freq_scale, int(c.rope_type == ROPE_NEOX),
+                 c.n_embd, c.n_ff, c.n_head, c.n_head_kv, self.chunks, float(c.rms_eps), scale, self.trace),
+                b.stream, self.smem)
+        return self.xb
+

@@ -1,0 +1,47 @@
+"""Where a "stack" decode step's time goes (backends/cuda_layers.py, native/cuda/layer_q8.cu): every
+block's thread 0 writes the GPU clock at the kernel's LQ_MARK points of each layer; this prints, per
+point, when the first, the median and the last block reached it (us after the layer's first block
+started) and the median and max time of the stage before it, averaged over the inner layers.
+
+    python3 scripts/bench_stack_trace.py MODEL.gguf [PROMPT_TOKENS]
+
+(an all-Q8_0 model, e.g. make_synthetic_model.py --shape llama3-8b --mix q8_0; NTX_CUDA_DEFINES
+selects a build, e.g. -DNTX_LQ_PROBE=1 for the step without the rows' arithmetic)."""
+import sys
+
+import numpy as np
+from ntx_engine.backends.cuda_backend import CudaBackend
+from ntx_engine.backends.cuda_driver import download
+from ntx_engine.backends.cuda_layers import TRACE_MARKS
+from ntx_engine.config import ModelConfig
+from ntx_engine.gguf import GGUFFile
+from ntx_engine.model import Transformer, WeightLoader
+
+NAMES = ["start", "wait prev down", "norm1", "qkv rows", "attention", "wait attn", "quant att", "o rows",
+         "wait o", "norm2", "gate/up rows", "wait gu", "quant h", "down rows"]
+if len(sys.argv) < 2:
+    sys.exit(__doc__)
+path, npr = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 512
+gf = GGUFFile.open(path)
+cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
+b = CudaBackend(fuse="all,stack")
+m = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 1024)
+m.forward(np.random.default_rng(0).integers(0, cfg.vocab_size, npr), 0)
+for i in range(3):
+    m.forward(np.asarray([1]), npr + i)
+st = b._stack[1] if b._stack else None
+if st is None:
+    sys.exit(f"the stack decode does not run this model: {b.stack_why_not}")
+st.trace = b._new(cfg.n_layers * TRACE_MARKS * st.blocks, dtype=np.uint64)
+for i in range(3):
+    m.forward(np.asarray([1]), npr + 3 + i)
+t = download(st.trace, b.stream).reshape(cfg.n_layers, TRACE_MARKS, st.blocks).astype(np.int64)
+L = slice(1, cfg.n_layers - 1)
+base = t[:, 0, :].min(axis=1)[:, None]
+print(f"layer period {np.diff(t[:, 0, :].min(axis=1))[L].mean() / 1e3:.2f} us; step {(t[-1, -1].max() - t[0, 0].min()) / 1e3:.1f} us")
+print(f"{'mark':16s} {'first':>8s} {'median':>8s} {'last':>8s}  (us after the layer's first block start) | stage median, max")
+for k in range(TRACE_MARKS):
+    rel = (t[:, k, :] - base)[L] / 1e3
+    d = (t[:, k, :] - t[:, k - 1, :])[L] / 1e3 if k else rel
+    print(f"{NAMES[k]:16s} {rel.min(axis=1).mean():8.2f} {np.median(rel, axis=1).mean():8.2f} {rel.max(axis=1).mean():8.2f}"
+          f"  | {np.median(d, axis=1).mean():7.2f} {d.max(axis=1).mean():7.2f}")

@@ -1,0 +1,53 @@
+"""Which models the "stack" decode takes (backends/cuda_layers.stack_unfit; no GPU needed): every
+limit of native/cuda/layer_q8.cu gives a reason naming it, and its shared memory fits an H200."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ntx_engine.backends.cuda_layers import stack_smem, stack_unfit
+from ntx_engine.quants import GGMLType
+
+H200 = dict(cc=(9, 0), sm_count=132, smem_optin=232448)  # cuDeviceGetAttribute on the lent H200
+
+
+def _cfg(**kw):
+    c = dict(n_embd=4096, n_ff=14336, head_dim=128, n_head=32, n_head_kv=8, n_expert=0, qkv_bias=False,
+             qk_norm=False)
+    c.update(kw)
+    c["q_dim"] = c["n_head"] * c["head_dim"]
+    return SimpleNamespace(**c)
+
+
+def _layers(n=32, t=GGMLType.Q8_0, odd=None):
+    names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    return [SimpleNamespace(**{m: SimpleNamespace(ggml_type=odd if (odd and m == "w_down" and i == n - 1) else t,
+                                                  name=f"blk.{i}.{m}") for m in names}) for i in range(n)]
+
+
+def test_llama3_8b_q8_0_fits_the_h200():
+    assert stack_unfit(_cfg(), _layers(), 4096, **H200) is None
+    assert stack_smem(128, 4) + 384 <= H200["smem_optin"]  # + the kernel's static shared memory (ptxas)
+
+
+@pytest.mark.parametrize("change,why", [
+    (dict(cc=(8, 0)), "needs sm_90"),
+    (dict(layers=_layers(t=GGMLType.Q4_K)), "blk.0.wq is Q4_K, not Q8_0"),
+    (dict(layers=_layers(odd=GGMLType.Q6_K)), "blk.31.w_down is Q6_K, not Q8_0"),
+    (dict(cfg=_cfg(n_expert=8)), "mixture-of-experts"),
+    (dict(cfg=_cfg(qkv_bias=True)), "biases"),
+    (dict(cfg=_cfg(head_dim=80, n_embd=2560)), "head shape 32x80"),
+    (dict(cfg=_cfg(n_head=64, n_head_kv=4, head_dim=64)), "head shape 64x64 / 4 KV heads"),
+    (dict(cfg=_cfg(n_ff=14000)), "n_ff 14000"),
+    (dict(cfg=_cfg(n_ff=28672)), "n_ff 28672"),
+    (dict(layers=_layers(n=97)), "97 layers"),
+    (dict(n_ctx=1 << 20), "n_ctx 1048576 is too long"),
+    (dict(smem_optin=166912), "shared memory"),
+])
+def test_every_limit_gives_its_reason(change, why):
+    kw = dict(cfg=_cfg(), layers=_layers(), n_ctx=4096, **H200)
+    kw.update(change)
+    got = stack_unfit(kw.pop("cfg"), kw.pop("layers"), kw.pop("n_ctx"), **kw)
+    assert got is not None and why in got, got

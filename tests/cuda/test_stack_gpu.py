@@ -1,0 +1,93 @@
+"""The "stack" decode (backends/cuda_layers.py, native/cuda/layer_q8.cu: every layer of a one-token
+step in one persistent launch) against the numpy backend on synthetic all-Q8_0 models, teacher-forced
+on numpy's greedy tokens so every step's logits are compared at the same inputs:
+- each decode step's logits within 3 x the numpy model's noise floor + 1e-3 (test_engine_gpu's
+  prefill bound; the layer-by-layer CUDA path is held to the same bound in the same test);
+- free-running greedy tokens identical to numpy's up to the first near-tie;
+- the CUDA graph of the step bit-identical to the plain stack step (the kernel sums in a fixed order);
+- the stack really ran (`stack_why_not` is None), and a model it cannot run falls back with a reason.
+Contexts from 1 to ~200 positions: the attention's 32 chunks a KV head are mostly empty, then full."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from greedy_check import agree_until_tie, greedy  # tests/cuda/greedy_check.py
+
+from ntx_engine.backends.numpy_backend import NumpyBackend
+from ntx_engine.model import Transformer, WeightLoader
+from ntx_engine.noise import rounding_noise
+from tests.cuda.conftest import synthetic_gguf
+
+pytestmark = pytest.mark.gpu
+
+NEAR_TIE = 0.05
+STEPS = 12
+# (shape, layers, prompt length, n_ctx): head_dim 64 (tiny) and 128 (small)
+CASES = [("tiny", 4, 5, 64), ("tiny", 3, 180, 256), ("small", 2, 9, 64), ("small", 2, 120, 160)]
+
+
+def _models(synth, tmp_path, shape, layers, n_ctx, fuse):
+    from ntx_engine.backends.cuda_backend import CudaBackend
+
+    gf, cfg = synthetic_gguf(synth, tmp_path, shape, "q8_0", layers, seed=5)
+    ref = Transformer(cfg, WeightLoader(gf, cfg, NumpyBackend()).load(), NumpyBackend(), n_ctx)
+    out = []
+    for f in fuse:
+        b = CudaBackend(fuse=f)
+        out.append(Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, n_ctx))
+    return ref, out
+
+
+def _forced(model, forward, prompt, toks):
+    """Logits of each decode step fed numpy's tokens (the prompt through model.forward)."""
+    model.forward(prompt, 0)
+    return [forward(np.asarray([t]), len(prompt) + i)[-1] for i, t in enumerate(toks)]
+
+
+@pytest.mark.parametrize("shape,layers,n_prompt,n_ctx", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
+def test_stack_decode_matches_numpy(cuda_backend, synth, tmp_path, shape, layers, n_prompt, n_ctx):
+    from ntx_engine.backends.cuda_graph import DecodeGraph
+
+    ref, (stack, plain, graphed) = _models(synth, tmp_path, shape, layers, n_ctx, ("all,stack", "all", "all,stack"))
+    prompt = np.random.default_rng(n_prompt).integers(0, ref.cfg.vocab_size, n_prompt)
+    ref_toks, ref_logits = greedy(ref.forward, prompt, STEPS)
+    seq = [*prompt.tolist(), *ref_toks[:-1]]
+    noise = float(rounding_noise(lambda: ref.forward(np.asarray(seq), 0, all_logits=True)[n_prompt - 1:],
+                                 ref.backend, rel=1e-6).max())
+    bound = 3 * noise + 1e-3
+
+    got = _forced(stack, stack.forward, prompt, ref_toks[:-1])
+    assert stack.backend.stack_why_not is None and stack.backend._stack[1] is not None, \
+        f"the stack decode did not run: {stack.backend.stack_why_not}"
+    base = _forced(plain, plain.forward, prompt, ref_toks[:-1])
+    assert plain.backend._stack is None  # "all" leaves it out
+    diffs = [float(np.abs(g - r).max()) for g, r in zip(got, ref_logits[1:])]
+    base_diffs = [float(np.abs(g - r).max()) for g, r in zip(base, ref_logits[1:])]
+    assert np.isfinite(got).all()
+    assert max(diffs) <= bound, f"stack logits {diffs} against numpy (bound {bound:.4f}; layer by layer {base_diffs})"
+    assert max(base_diffs) <= bound, f"layer-by-layer logits {base_diffs} (bound {bound:.4f})"
+
+    toks, _ = greedy(stack.forward, prompt, STEPS)
+    agree, tie = agree_until_tie(ref_toks, ref_logits, toks, max(NEAR_TIE, 2 * noise))
+    assert agree == STEPS or tie, f"tokens diverge at step {agree}: {toks} vs {ref_toks}"
+
+    graph = DecodeGraph(graphed)
+    g = _forced(graphed, graph.forward, prompt, ref_toks[:-1])
+    plain_stack = _forced(stack, stack.forward, prompt, ref_toks[:-1])
+    assert all(np.array_equal(a, b) for a, b in zip(g, plain_stack)), "the graph replay differs from the plain step"
+    assert all(np.array_equal(a, b) for a, b in zip(plain_stack, got)), "the stack step is not deterministic"
+
+
+def test_stack_falls_back_with_a_reason(cuda_backend, synth, tmp_path):
+    from ntx_engine.backends.cuda_backend import CudaBackend
+
+    gf, cfg = synthetic_gguf(synth, tmp_path, "tiny", "q4_k_m", 2, seed=5)
+    b = CudaBackend(fuse="all,stack")
+    model = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 64)
+    ref = CudaBackend(fuse="all")
+    other = Transformer(cfg, WeightLoader(gf, cfg, ref).load(), ref, 64)
+    prompt = np.arange(7)
+    a, c = greedy(model.forward, prompt, 3), greedy(other.forward, prompt, 3)
+    assert "not Q8_0" in (b.stack_why_not or ""), b.stack_why_not
+    assert a[0] == c[0] and all(np.array_equal(x, y) for x, y in zip(a[1], c[1]))
