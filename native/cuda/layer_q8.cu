@@ -4,8 +4,10 @@
 // launch, a ramp-up and a drain, and its latency-bound ops (the norms, the attention) leave HBM
 // idle. Here one block an SM runs every layer: each block owns a fixed slice of every matrix's
 // rows, and a ring of shared-memory slots (LQ_SLOTS x LQ_SLOT bytes) is kept filled with the
-// block's next weight rows by bulk copies (cp.async.bulk on an mbarrier a slot), in the order the
-// block will multiply them, across matrices and layers. A weight never depends on the token, so
+// block's next weight rows by bulk copies (cp.async.bulk on a "full" mbarrier a slot), in the order
+// the block will multiply them, across matrices and layers. The copies are issued by a producer
+// warp of their own, which refills a slot as soon as the consumers (16 warps, the arithmetic)
+// arrive on its "empty" mbarrier, so no consumer ever waits for a copy to be issued. A weight never depends on the token, so
 // the ring streams during the norms, the attention and the waits between the ops: when one ends,
 // the next matrix's first ~175 KB an SM are already on chip.
 //
@@ -37,8 +39,11 @@
 #include "attn_common.cuh"
 #include "ops.cuh"
 
-#define LQ_THREADS 512
+#define LQ_THREADS 512     // the consumers: every step's arithmetic
 #define LQ_WARPS (LQ_THREADS / 32)
+#define LQ_BLOCK (LQ_THREADS + 32)  // + the producer warp, which only issues the ring's bulk copies
+// A barrier of the consumer threads alone (the producer warp never waits for them).
+#define LQ_SYNC() asm volatile("bar.sync 1, %0;" ::"n"(LQ_THREADS) : "memory")
 #define LQ_SLOTS 5         // slots of shared memory (the ring uses NTX_LQ_SLOTS of them)
 #ifndef NTX_LQ_SLOTS
 #define NTX_LQ_SLOTS 5
@@ -60,6 +65,11 @@
 // NTX_LQ_PROBE (a benchmark's probe, default 0): 1 leaves the rows' arithmetic out (garbage out)
 #ifndef NTX_LQ_PROBE
 #define NTX_LQ_PROBE 0
+#endif
+// NTX_LQ_AHEAD: chunks of a phase the producer fetches before the consumers reach it (default:
+// as many as the ring holds)
+#ifndef NTX_LQ_AHEAD
+#define NTX_LQ_AHEAD 1000
 #endif
 #ifndef NTX_LQ_EVICT_FIRST
 #define NTX_LQ_EVICT_FIRST 1
@@ -118,23 +128,27 @@ __device__ __forceinline__ void lq_copy(void* dst, const void* src, unsigned byt
 #endif
 }
 
-__device__ __forceinline__ void lq_wait_full(uint64_t* bar, unsigned parity) {
+__device__ __forceinline__ bool lq_try(uint64_t* bar, unsigned parity) {
+    unsigned ok;
+    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                 "selp.u32 %0, 1, 0, p;\n\t}"
+                 : "=r"(ok)
+                 : "r"(lq_smem(bar)), "r"(parity)
+                 : "memory");
+    return ok;
+}
+
+// Wait for phase `parity` of an mbarrier; the clock is read only once the first try failed.
+__device__ __forceinline__ void lq_wait_bar(uint64_t* bar, unsigned parity) {
+    if (lq_try(bar, parity)) return;
     const unsigned long long t0 = global_ns();
-    for (;;) {
-        unsigned ok;
-        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                     "selp.u32 %0, 1, 0, p;\n\t}"
-                     : "=r"(ok)
-                     : "r"(lq_smem(bar)), "r"(parity)
-                     : "memory");
-        if (ok) return;
+    while (!lq_try(bar, parity))
         if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();
-    }
 }
 
 // The block's stores before it are visible to the blocks that wait for *c after it.
 __device__ __forceinline__ void lq_signal(unsigned* c) {
-    __syncthreads();
+    LQ_SYNC();
     if (threadIdx.x == 0) {
         __threadfence();
         atomicAdd(c, 1u);
@@ -142,13 +156,27 @@ __device__ __forceinline__ void lq_signal(unsigned* c) {
 }
 
 __device__ __forceinline__ void lq_wait(const unsigned* c, unsigned target) {
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && ld_acquire(c) < target) {
         const unsigned long long t0 = global_ns();
         while (ld_acquire(c) < target) {
             if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();  // a block that never came: fail, not hang
         }
     }
-    __syncthreads();
+    LQ_SYNC();
+}
+
+// ntx_block_total over the consumer threads.
+__device__ __forceinline__ double lq_block_total(double v, double* part) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    LQ_SYNC();
+    if (threadIdx.x == 0) {
+        double t = 0.0;
+        for (int i = 0; i < LQ_WARPS; ++i) t += part[i];
+        part[LQ_WARPS] = t;
+    }
+    LQ_SYNC();
+    return part[LQ_WARPS];
 }
 
 // Phases of a layer: 0 q|k|v rows, 1 o rows, 2 gate/up row pairs, 3 down rows.
@@ -233,7 +261,8 @@ struct LqFill {
 struct LqShared {
     LqLayer* layers;  // the layer descriptors
     uint8_t* ring;
-    uint64_t* full;
+    uint64_t* full;   // a slot's bulk copies landed
+    uint64_t* empty;  // a slot was read
     int8_t* aq;  // the activation row's Q8_1 values
     float* ad;   // and its fp16-rounded scales
     float* sc;   // the attention's scores (aliases aq / ad)
@@ -244,7 +273,7 @@ struct LqShared {
     float* yrow;   // [LQ_YMAX] a residual phase's products
     double* part;  // the norm's warp totals
     float* stat;   // [2][LQ_GMAX] chunk max and sum
-    int* flag;
+    int* flag;  // [0] the attention's last-chunk flag, [1] the consumers' phase (4 layer + phase)
 };
 
 // x (k values, other blocks' stores: read past L1) as one 32-value Q8_1 block a warp at a time
@@ -272,7 +301,7 @@ __device__ __noinline__ void lq_quant_row(const float* x, int k, const LqShared&
             if (sb < nsb) lq_quant_block(v[j], s.aq, s.ad, sb, lane);
         }
     }
-    __syncthreads();
+    LQ_SYNC();
 }
 
 // rmsnorm(x) * w (rmsnorm.cuh's rounding) quantized into aq / ad. Thread t holds values
@@ -289,13 +318,13 @@ __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict
 #pragma unroll
     for (int j = 0; j < LQ_NV; ++j)
         if (threadIdx.x + LQ_THREADS * j < k) ss += (double)v[j] * (double)v[j];
-    const float scale = ntx_norm_scale(ntx_block_total(ss, s.part), k, eps);
+    const float scale = ntx_norm_scale(lq_block_total(ss, s.part), k, eps);
 #pragma unroll
     for (int j = 0; j < LQ_NV; ++j) {
         const int i = threadIdx.x + LQ_THREADS * j;
         if (i < k) lq_quant_block(__fmul_rn(__fmul_rn(v[j], scale), __ldg(w + i)), s.aq, s.ad, warp + LQ_WARPS * j, lane);
     }
-    __syncthreads();
+    LQ_SYNC();
 }
 
 // The dot products of the nd rows of a slot (row_bytes each) with the activations: warp w takes
@@ -327,7 +356,8 @@ __device__ __forceinline__ void lq_rows_dot(const uint8_t* slot, int nd, int rb,
 // each chunk's totals go to out(row, total) (gate/up: out(row, g, u)). it: the ring's running chunk
 // count (slot it % LQ_SLOTS, parity (it / LQ_SLOTS) & 1).
 template <class Out>
-__device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, LqFill& fill, unsigned& it, Out out) {
+__device__ void lq_phase(const LqArgs& a, int layer, int ph, const LqShared& s, unsigned& it, Out out) {
+    if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(s.flag + 1) = 4 * layer + ph;  // the producer's pace
     const int r0 = lq_r0(a, ph, blockIdx.x), r1 = lq_r0(a, ph, blockIdx.x + 1);
     const int rb = lq_row_bytes(a, ph), units = (ph == 3 ? a.F : a.D) / 32, rpc = lq_rpc(a, ph);
     for (int row = r0; row < r1;) {
@@ -335,10 +365,10 @@ __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, LqFill& fil
         const int slot = it % NTX_LQ_SLOTS;
         uint8_t* sp = s.ring + (size_t)slot * LQ_SLOT;
         float* red = s.red + (it & 1) * LQ_WARPS;
-        lq_wait_full(s.full + slot, (it / NTX_LQ_SLOTS) & 1);
+        lq_wait_bar(s.full + slot, (it / NTX_LQ_SLOTS) & 1);
         lq_rows_dot(sp, nd, rb, units, s, red);
-        __syncthreads();  // the slot is read: refill it
-        if (threadIdx.x == 0) fill.issue(a, s.layers, sp, s.full + slot);
+        LQ_SYNC();  // the slot is read: the producer may refill it
+        if (threadIdx.x == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(s.empty + slot)) : "memory");
         const int wpr = LQ_WARPS / nd;
         if (threadIdx.x < n) {
             float t = 0.f;
@@ -358,12 +388,12 @@ __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, LqFill& fil
 
 // A residual phase (o, down): y = res + W x for the block's rows, the residual read before the
 // rows are multiplied (its load overlaps them) and added once they all are.
-__device__ void lq_residual_phase(const LqArgs& a, int ph, const LqShared& s, LqFill& fill, unsigned& it,
+__device__ void lq_residual_phase(const LqArgs& a, int layer, int ph, const LqShared& s, unsigned& it,
                                   const float* res, float* y) {
     const int r0 = lq_r0(a, ph, blockIdx.x), nr = lq_r0(a, ph, blockIdx.x + 1) - r0;
     const float rv = threadIdx.x < nr ? __ldcg(res + r0 + threadIdx.x) : 0.f;
-    lq_phase(a, ph, s, fill, it, [&](int r, float t, float) { s.yrow[r - r0] = t; });
-    __syncthreads();
+    lq_phase(a, layer, ph, s, it, [&](int r, float t, float) { s.yrow[r - r0] = t; });
+    LQ_SYNC();
     if (threadIdx.x < nr) y[r0 + threadIdx.x] = __fadd_rn(rv, s.yrow[threadIdx.x]);
 }
 
@@ -384,7 +414,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
             qraw[G * HD + i] = __ldcg(a.qkv + a.D + col + i);
             s.vnew[i] = ntx_f2h(__ldcg(a.qkv + a.D + kvd + col + i));
         }
-    __syncthreads();
+    LQ_SYNC();
     for (int i = threadIdx.x; i < G * HD / 2; i += LQ_THREADS) {
         int ia, ib;
         float o0, o1;
@@ -403,7 +433,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         }
         for (int i = threadIdx.x; i < HD; i += LQ_THREADS) L.vc[(size_t)pos * kvd + col + i] = s.vnew[i];
     }
-    __syncthreads();
+    LQ_SYNC();
     // scores: a warp a position, LQ_KP positions' K rows loaded at once
     for (int base = p0 + warp; base < p1; base += LQ_WARPS * LQ_KP) {
         float kf[LQ_KP][V];
@@ -427,7 +457,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
             }
         }
     }
-    __syncthreads();
+    LQ_SYNC();
     // each head's chunk max and exp sum; the scores become e^(s - m)
     if (warp < G) {
         float m = -3.402823466e38f;
@@ -445,7 +475,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
             s.stat[LQ_GMAX + warp] = l;
         }
     }
-    __syncthreads();
+    LQ_SYNC();
     // p.V: thread t the dims 2 dt, 2 dt + 1 of positions p0 + pg + NPG i
     {
         const int dt = threadIdx.x % (HD / 2), pg = threadIdx.x / (HD / 2);
@@ -465,7 +495,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
                 acc[g][1] += e * v1;
             }
         }
-        __syncthreads();  // qraw (red_o) is no longer read
+        LQ_SYNC();  // qraw (red_o) is no longer read
 #pragma unroll
         for (int g = 0; g < LQ_GMAX; ++g) {
             if (g >= G) break;
@@ -473,7 +503,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
             s.red_o[(pg * G + g) * HD + 2 * dt + 1] = acc[g][1];
         }
     }
-    __syncthreads();
+    LQ_SYNC();
     const int per = 2 * G + G * HD;  // a chunk's partial: max[G], sum[G], o[G][HD]
     float* mypart = a.part + (size_t)unit * per;
     for (int t = threadIdx.x; t < G * HD; t += LQ_THREADS) {
@@ -486,12 +516,12 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         mypart[G + threadIdx.x] = np > 0 ? s.stat[LQ_GMAX + threadIdx.x] : 0.f;
     }
     // the head's last chunk to arrive combines the head's chunks
-    __syncthreads();
+    LQ_SYNC();
     if (threadIdx.x == 0) {
         __threadfence();
         s.flag[0] = atomicAdd(a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv) + LQ_NCTR + h, 1u) == (unsigned)(C - 1);
     }
-    __syncthreads();
+    LQ_SYNC();
     if (!s.flag[0]) return;
     __threadfence();
     const float* hp = a.part + (size_t)h * C * per;
@@ -501,7 +531,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         wt[i] = __ldcg(hp + (size_t)q * per + g);
         wt[C * G + i] = __ldcg(hp + (size_t)q * per + G + g);
     }
-    __syncthreads();
+    LQ_SYNC();
     if (threadIdx.x < G) {
         const int g = threadIdx.x;
         float M = -3.402823466e38f, S = 0.f;
@@ -509,7 +539,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         for (int q = 0; q < C; ++q) S += expf(wt[q * G + g] - M) * wt[C * G + q * G + g];
         for (int q = 0; q < C; ++q) wt[2 * C * G + q * G + g] = expf(wt[q * G + g] - M) / S;
     }
-    __syncthreads();
+    LQ_SYNC();
     for (int t = threadIdx.x; t < G * HD; t += LQ_THREADS) {
         const int g = t / HD;
         float o = 0.f;
@@ -526,7 +556,6 @@ __device__ void lq_step(const LqArgs& a) {
     constexpr int HD = 32 * V, NPG = LQ_THREADS / (HD / 2);
     const int G = a.n_head / a.n_kv;
     __shared__ LqShared s;  // shared: the helpers take it by reference
-    __shared__ LqFill fill;  // thread 0's
     if (threadIdx.x == 0) {
         uint8_t* p = smem;
         s.ring = p; p += LQ_SLOTS * LQ_SLOT;
@@ -544,22 +573,44 @@ __device__ void lq_step(const LqArgs& a) {
         s.flag = reinterpret_cast<int*>(p); p += 16;
         s.yrow = reinterpret_cast<float*>(p); p += 4 * LQ_YMAX;
         s.layers = reinterpret_cast<LqLayer*>(p); p += sizeof(LqLayer) * LQ_MAX_LAYERS;
-        s.full = reinterpret_cast<uint64_t*>(p);
+        s.full = reinterpret_cast<uint64_t*>(p); p += 8 * LQ_SLOTS;
+        s.empty = reinterpret_cast<uint64_t*>(p);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < a.n_layers * (int)(sizeof(LqLayer) / 8); i += LQ_THREADS)
+    for (int i = threadIdx.x; i < a.n_layers * (int)(sizeof(LqLayer) / 8); i += LQ_BLOCK)
         reinterpret_cast<unsigned long long*>(s.layers)[i] = reinterpret_cast<const unsigned long long*>(a.layers)[i];
-
     if (threadIdx.x == 0) {
-        for (int i = 0; i < NTX_LQ_SLOTS; ++i)
+        for (int i = 0; i < NTX_LQ_SLOTS; ++i) {
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(lq_smem(s.full + i)) : "memory");
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(lq_smem(s.empty + i)) : "memory");
+        }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        fill.start(a);
+        s.flag[1] = -1;
     }
     __syncthreads();
-    // the first chunks before the wait for the kernel before (the embedding): weights never depend on it
-    if (threadIdx.x == 0)
-        for (int i = 0; i < NTX_LQ_SLOTS; ++i) fill.issue(a, s.layers, s.ring + (size_t)i * LQ_SLOT, s.full + i);
+    if (threadIdx.x >= LQ_THREADS) {  // the producer warp: the block's chunks in order, a slot as soon as it is read
+        if (threadIdx.x == LQ_THREADS) {
+            LqFill f;
+            f.start(a);
+            int q = -1, k = 0;  // the phase (4 layer + phase) of the chunk issued last, and its count in it
+            for (unsigned i = 0; f.layer < a.n_layers; ++i) {
+                const int slot = i % NTX_LQ_SLOTS, gq = 4 * f.layer + f.ph;
+                if (i >= NTX_LQ_SLOTS) lq_wait_bar(s.empty + slot, (i / NTX_LQ_SLOTS - 1) & 1);
+                k = gq == q ? k + 1 : 0;
+                q = gq;
+                if (k >= NTX_LQ_AHEAD && *reinterpret_cast<volatile int*>(s.flag + 1) < gq) {
+                    // at most NTX_LQ_AHEAD chunks of a phase the consumers have not reached
+                    const unsigned long long t0 = global_ns();
+                    while (*reinterpret_cast<volatile int*>(s.flag + 1) < gq)
+                        if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();
+                }
+                f.issue(a, s.layers, s.ring + (size_t)slot * LQ_SLOT, s.full + slot);
+            }
+        }
+        return;
+    }
+    // the consumers: the weights of the first chunks are on their way before the wait for the
+    // kernel before (the embedding)
     asm volatile("griddepcontrol.wait;" ::: "memory");
     unsigned it = 0;
     const unsigned P = gridDim.x;
@@ -579,7 +630,7 @@ __device__ void lq_step(const LqArgs& a) {
         LQ_MARK(1);
         lq_norm_row(xin, L.attn_norm, a.D, a.eps, s);
         LQ_MARK(2);
-        lq_phase(a, 0, s, fill, it, [&](int r, float t, float) { a.qkv[r] = t; });
+        lq_phase(a, layer, 0, s, it, [&](int r, float t, float) { a.qkv[r] = t; });
         LQ_MARK(3);
         lq_signal(ctr + 0);
         if ((int)blockIdx.x < a.n_kv * a.chunks) {
@@ -591,28 +642,28 @@ __device__ void lq_step(const LqArgs& a) {
         LQ_MARK(5);
         lq_quant_row(a.att, a.D, s);
         LQ_MARK(6);
-        lq_residual_phase(a, 1, s, fill, it, xin, a.xa);
+        lq_residual_phase(a, layer, 1, s, it, xin, a.xa);
         LQ_MARK(7);
         lq_signal(ctr + 2);
         lq_wait(ctr + 2, P);
         LQ_MARK(8);
         lq_norm_row(a.xa, L.ffn_norm, a.D, a.eps, s);
         LQ_MARK(9);
-        lq_phase(a, 2, s, fill, it, [&](int r, float g, float u) { a.hid[r] = ntx_swiglu(g, u); });
+        lq_phase(a, layer, 2, s, it, [&](int r, float g, float u) { a.hid[r] = ntx_swiglu(g, u); });
         LQ_MARK(10);
         lq_signal(ctr + 3);
         lq_wait(ctr + 3, P);
         LQ_MARK(11);
         lq_quant_row(a.hid, a.F, s);
         LQ_MARK(12);
-        lq_residual_phase(a, 3, s, fill, it, a.xa, a.xb);
+        lq_residual_phase(a, layer, 3, s, it, a.xa, a.xb);
         LQ_MARK(13);
         lq_signal(ctr + 4);
     }
 }
 
 #define LQ_KERNEL(V)                                                                                               \
-    extern "C" __global__ void __launch_bounds__(LQ_THREADS, 1) layer_q8_hd##V(LQ_PARAMS) {                       \
+    extern "C" __global__ void __launch_bounds__(LQ_BLOCK, 1) layer_q8_hd##V(LQ_PARAMS) {                         \
         __shared__ LqArgs sa; /* in shared memory: the helpers take it by reference (no local copy) */          \
         if (threadIdx.x == 0)                                                                                      \
             sa = {layers, n_layers, x0, xa, xb, qkv, att, hid, part, ctr, pos, rope_ff, rope_dim,                  \
@@ -622,7 +673,7 @@ __device__ void lq_step(const LqArgs& a) {
     }
 #else
 #define LQ_KERNEL(V) \
-    extern "C" __global__ void __launch_bounds__(LQ_THREADS, 1) layer_q8_hd##V(LQ_PARAMS) {}
+    extern "C" __global__ void __launch_bounds__(LQ_BLOCK, 1) layer_q8_hd##V(LQ_PARAMS) {}
 #endif
 
 LQ_KERNEL(64)

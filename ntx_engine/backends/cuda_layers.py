@@ -17,8 +17,9 @@ from ntx_engine.config import ROPE_NEOX, ModelConfig
 from ntx_engine.quants import GGMLType
 
 SOURCE = "layer_q8.cu"
-THREADS = 512  # LQ_THREADS
-SLOTS, SLOT = 5, 35840  # LQ_SLOTS, LQ_SLOT
+THREADS = 512  # LQ_THREADS: the consumer threads
+BLOCK = THREADS + 32  # LQ_BLOCK: and the producer warp
+SLOTS, SLOT = 5, 35840  # LQ_SLOTS, LQ_SLOT: the weight ring
 KMAX = 16384  # LQ_KMAX: the longest activation row
 ACT_BYTES = KMAX + 4 * (KMAX // 32)  # LQ_ACT: also the attention's scores
 GMAX = 8  # LQ_GMAX: query heads a KV head
@@ -39,7 +40,7 @@ def stack_smem(head_dim: int, group: int) -> int:
     npg = THREADS // (head_dim // 2)
     return (SLOTS * SLOT + ACT_BYTES + 4 * GMAX * head_dim + 4 * max(npg * group * head_dim, (GMAX + 1) * head_dim)
             + 2 * 2 * head_dim + 4 * 2 * (THREADS // 32) + 4 * 2 * GMAX + 8 * 32 + 16 + 4 * YMAX
-            + LAYER_BYTES * MAX_LAYERS + 8 * SLOTS)
+            + LAYER_BYTES * MAX_LAYERS + 2 * 8 * SLOTS)
 
 
 def stack_chunks(cfg: ModelConfig, sm_count: int) -> int:
@@ -98,12 +99,12 @@ class StackDecode:
         k = b.k
         k._allow_smem(SOURCE, self.kernel, self.smem)
         fn = k.fn(SOURCE, self.kernel)
-        per_sm = check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, THREADS, self.smem),
+        per_sm = check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, BLOCK, self.smem),
                        f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.kernel})")
         if int(per_sm) < 1:
             from ntx_common.errors import CudaError
 
-            raise CudaError(f"{self.kernel} does not fit an SM ({self.smem} bytes of shared memory, {THREADS} threads)")
+            raise CudaError(f"{self.kernel} does not fit an SM ({self.smem} bytes of shared memory, {BLOCK} threads)")
         self.blocks = b.device.sm_count
         # a benchmark's tool: a (n_layers, TRACE_MARKS, blocks) uint64 device array that each block's
         # thread 0 fills with the GPU clock (ns) at the kernel's LQ_MARK points; None: off
@@ -115,7 +116,7 @@ class StackDecode:
         check(driver().cuMemsetD32Async(self.ctr.ptr, 0, self.ctr.size, b.stream.handle),
               f"cuMemsetD32Async({self.ctr.size} counters)")
         scale = float(np.float32(1.0 / np.sqrt(c.head_dim)))
-        b.k._go(SOURCE, self.kernel, (self.blocks,), (THREADS,),
+        b.k._go(SOURCE, self.kernel, (self.blocks,), (BLOCK,),
                 (self.table, self.n_layers, x, self.xa, self.xb, self.qkv, self.att, self.hid, self.part, self.ctr,
                  b.pos_buf, b.rope_ff, c.rope_dim, b.rope_scale, c.rope_freq_scale, int(c.rope_type == ROPE_NEOX),
                  c.n_embd, c.n_ff, c.n_head, c.n_head_kv, self.chunks, float(c.rms_eps), scale, self.trace),
