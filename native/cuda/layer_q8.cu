@@ -44,11 +44,10 @@
 #define LQ_BLOCK (LQ_THREADS + 32)  // + the producer warp, which only issues the ring's bulk copies
 // A barrier of the consumer threads alone (the producer warp never waits for them).
 #define LQ_SYNC() asm volatile("bar.sync 1, %0;" ::"n"(LQ_THREADS) : "memory")
-#define LQ_SLOTS 4         // slots of shared memory (the ring uses NTX_LQ_SLOTS of them)
+#define LQ_SLOTS 5         // slots of shared memory (the ring uses NTX_LQ_SLOTS of them)
 #ifndef NTX_LQ_SLOTS
-#define NTX_LQ_SLOTS 4
+#define NTX_LQ_SLOTS 5
 #endif
-#define LQ_KVPRE LQ_SLOT   // bytes for the attention chunk's K and V rows, fetched at the layer's start
 #define LQ_MAX_LAYERS 96   // layer descriptors kept in shared memory
 #define LQ_YMAX 256        // rows of a matrix a block at most
 #define LQ_SLOT 35840      // bytes a ring slot (16 of them padding: ld8 reads a ninth word)
@@ -262,7 +261,6 @@ struct LqFill {
 struct LqShared {
     LqLayer* layers;  // the layer descriptors
     uint8_t* ring;
-    uint16_t* kvp;  // the chunk's first K rows, then as many V rows (LQ_KVPRE bytes)
     uint64_t* full;   // a slot's bulk copies landed
     uint64_t* empty;  // a slot was read
     int8_t* aq;  // the activation row's Q8_1 values
@@ -287,24 +285,16 @@ __device__ __forceinline__ void lq_quant_block(float v, int8_t* aq, float* ad, i
     if (lane == 0) ad[sb] = ntx_round_f16(d);
 }
 
-__device__ __forceinline__ void lq_quant_load(const float* x, int nsb, int j0, int warp, int lane, float* v) {
-#pragma unroll
-    for (int j = 0; j < LQ_QR; ++j) {
-        const int sb = warp + LQ_WARPS * (j0 + j);
-        if (sb < nsb) v[j] = __ldcg(x + 32 * sb + lane);
-    }
-}
-
-// The next round's loads are issued before this round's blocks are quantized.
 __device__ __noinline__ void lq_quant_row(const float* x, int k, const LqShared& s) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nsb = k / 32;
-    float v[LQ_QR], nx[LQ_QR];
-    lq_quant_load(x, nsb, 0, warp, lane, nx);
 #pragma unroll 1
     for (int j0 = 0; j0 * LQ_WARPS < nsb; j0 += LQ_QR) {
+        float v[LQ_QR];
 #pragma unroll
-        for (int j = 0; j < LQ_QR; ++j) v[j] = nx[j];
-        if ((j0 + LQ_QR) * LQ_WARPS < nsb) lq_quant_load(x, nsb, j0 + LQ_QR, warp, lane, nx);
+        for (int j = 0; j < LQ_QR; ++j) {
+            const int sb = warp + LQ_WARPS * (j0 + j);
+            if (sb < nsb) v[j] = __ldcg(x + 32 * sb + lane);
+        }
 #pragma unroll
         for (int j = 0; j < LQ_QR; ++j) {
             const int sb = warp + LQ_WARPS * (j0 + j);
@@ -318,15 +308,12 @@ __device__ __noinline__ void lq_quant_row(const float* x, int k, const LqShared&
 // t + LQ_THREADS j, so warp w holds whole quantization blocks w + LQ_WARPS j.
 __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict__ w, int k, float eps, const LqShared& s) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float v[LQ_NV], wv[LQ_NV];  // the norm weights load beside x: one round trip for both
+    float v[LQ_NV];
     double ss = 0.0;
 #pragma unroll
     for (int j = 0; j < LQ_NV; ++j) {
         const int i = threadIdx.x + LQ_THREADS * j;
-        if (i < k) {
-            v[j] = __ldcg(x + i);
-            wv[j] = __ldg(w + i);
-        }
+        if (i < k) v[j] = __ldcg(x + i);
     }
 #pragma unroll
     for (int j = 0; j < LQ_NV; ++j)
@@ -335,7 +322,7 @@ __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict
 #pragma unroll
     for (int j = 0; j < LQ_NV; ++j) {
         const int i = threadIdx.x + LQ_THREADS * j;
-        if (i < k) lq_quant_block(__fmul_rn(__fmul_rn(v[j], scale), wv[j]), s.aq, s.ad, warp + LQ_WARPS * j, lane);
+        if (i < k) lq_quant_block(__fmul_rn(__fmul_rn(v[j], scale), __ldg(w + i)), s.aq, s.ad, warp + LQ_WARPS * j, lane);
     }
     LQ_SYNC();
 }
@@ -410,44 +397,14 @@ __device__ void lq_residual_phase(const LqArgs& a, int layer, int ph, const LqSh
     if (threadIdx.x < nr) y[r0 + threadIdx.x] = __fadd_rn(rv, s.yrow[threadIdx.x]);
 }
 
-// The positions of attention unit `unit` (KV head h, chunk c): p0 .. p1 - 1; npre of them (from p0,
-// none the new one) are fetched into kvp at the layer's start.
-struct LqChunk {
-    int h, c, pos, p0, p1, npre;
-    __device__ __forceinline__ void at(const LqArgs& a, int unit, int hd) {
-        const int C = a.chunks;
-        h = unit / C; c = unit % C; pos = __ldg(a.pos);
-        const int t = pos + 1, len = (t + C - 1) / C;
-        p0 = min(t, c * len); p1 = min(t, p0 + len);
-        npre = min(min(p1, pos) - p0, LQ_KVPRE / (2 * 2 * hd));
-        if (npre < 0) npre = 0;
-    }
-};
-
-// The unit's first npre K and V rows of this layer's cache (earlier steps wrote them) into kvp by
-// 16-byte cp.async copies; lq_attention waits for them.
-template <int V>
-__device__ __forceinline__ void lq_kv_fetch(const LqArgs& a, const LqLayer& L, const LqChunk& u, const LqShared& s) {
-    constexpr int HD = 32 * V, PER = HD * 2 / 16;  // 16-byte pieces a row
-    const int kvd = a.n_kv * HD;
-    for (int i = threadIdx.x; i < 2 * u.npre * PER; i += LQ_THREADS) {
-        const int v = i / (u.npre * PER), r = (i / PER) % u.npre, o = i % PER;
-        const uint16_t* src = (v ? L.vc : L.kc) + (size_t)(u.p0 + r) * kvd + (size_t)u.h * HD + 8 * o;
-        uint16_t* dst = s.kvp + (size_t)(v * u.npre + r) * HD + 8 * o;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(lq_smem(dst)), "l"(src) : "memory");
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
 // One (KV head, chunk) of the layer's attention; the head's last chunk to finish combines them.
 template <int V>
 __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int layer, int unit, const LqShared& s) {
     constexpr int HD = 32 * V, NPG = LQ_THREADS / (HD / 2);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int G = a.n_head / a.n_kv, kvd = a.n_kv * HD, C = a.chunks;
-    LqChunk u;
-    u.at(a, unit, HD);
-    const int h = u.h, pos = u.pos, p0 = u.p0, p1 = u.p1, np = p1 - p0, npre = u.npre;
+    const int h = unit / C, c = unit % C, pos = __ldg(a.pos), T = pos + 1, len = (T + C - 1) / C;
+    const int p0 = min(T, c * len), p1 = min(T, p0 + len), np = p1 - p0;
     const size_t col = (size_t)h * HD;
     float* qraw = s.red_o;  // the raw q of the group and the new k before the rotation
     for (int i = threadIdx.x; i < G * HD; i += LQ_THREADS) qraw[i] = __ldcg(a.qkv + (size_t)h * G * HD + i);
@@ -476,7 +433,6 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         }
         for (int i = threadIdx.x; i < HD; i += LQ_THREADS) L.vc[(size_t)pos * kvd + col + i] = s.vnew[i];
     }
-    asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's K/V copies (lq_kv_fetch)
     LQ_SYNC();
     // scores: a warp a position, LQ_KP positions' K rows loaded at once
     for (int base = p0 + warp; base < p1; base += LQ_WARPS * LQ_KP) {
@@ -484,10 +440,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
 #pragma unroll
         for (int j = 0; j < LQ_KP; ++j) {
             const int p = base + LQ_WARPS * j;
-            if (p < p1)
-                ld_halves<V>(p == pos ? s.knew + lane * V
-                             : p - p0 < npre ? s.kvp + (size_t)(p - p0) * HD + lane * V
-                                             : L.kc + (size_t)p * kvd + col + lane * V, kf[j]);
+            if (p < p1) ld_halves<V>(p == pos ? s.knew + lane * V : L.kc + (size_t)p * kvd + col + lane * V, kf[j]);
         }
 #pragma unroll
         for (int j = 0; j < LQ_KP; ++j) {
@@ -531,9 +484,8 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         for (int g = 0; g < LQ_GMAX; ++g) acc[g][0] = acc[g][1] = 0.f;
 #pragma unroll 4
         for (int p = p0 + pg; p < p1; p += NPG) {
-            const uint16_t* vp = p == pos ? s.vnew : p - p0 < npre ? s.kvp + (size_t)(npre + p - p0) * HD
-                                                                      : L.vc + (size_t)p * kvd + col;
-            const uint32_t w = *reinterpret_cast<const uint32_t*>(vp + 2 * dt);
+            const uint32_t w = p == pos ? *reinterpret_cast<const uint32_t*>(s.vnew + 2 * dt)
+                                        : *reinterpret_cast<const uint32_t*>(L.vc + (size_t)p * kvd + col + 2 * dt);
             const float v0 = ntx_h2f((uint16_t)(w & 0xffffu)), v1 = ntx_h2f((uint16_t)(w >> 16));
 #pragma unroll
             for (int g = 0; g < LQ_GMAX; ++g) {
@@ -607,7 +559,6 @@ __device__ void lq_step(const LqArgs& a) {
     if (threadIdx.x == 0) {
         uint8_t* p = smem;
         s.ring = p; p += LQ_SLOTS * LQ_SLOT;
-        s.kvp = reinterpret_cast<uint16_t*>(p); p += LQ_KVPRE;
         s.aq = reinterpret_cast<int8_t*>(p);
         s.ad = reinterpret_cast<float*>(p + LQ_KMAX);
         s.sc = reinterpret_cast<float*>(p);
@@ -675,12 +626,6 @@ __device__ void lq_step(const LqArgs& a) {
         unsigned* ctr = a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv);
         const float* xin = layer == 0 ? a.x0 : a.xb;
         LQ_MARK(0);
-        const bool attends = (int)blockIdx.x < a.n_kv * a.chunks;
-        if (attends) {
-            LqChunk u;
-            u.at(a, blockIdx.x, 32 * V);
-            lq_kv_fetch<V>(a, L, u, s);
-        }
         if (layer > 0) lq_wait(ctr - (LQ_NCTR + a.n_kv) + 4, P);
         LQ_MARK(1);
         lq_norm_row(xin, L.attn_norm, a.D, a.eps, s);
@@ -688,7 +633,7 @@ __device__ void lq_step(const LqArgs& a) {
         lq_phase(a, layer, 0, s, it, [&](int r, float t, float) { a.qkv[r] = t; });
         LQ_MARK(3);
         lq_signal(ctr + 0);
-        if (attends) {
+        if ((int)blockIdx.x < a.n_kv * a.chunks) {
             lq_wait(ctr + 0, P);
             lq_attention<V>(a, L, layer, blockIdx.x, s);
         }

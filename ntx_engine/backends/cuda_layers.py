@@ -19,8 +19,7 @@ from ntx_engine.quants import GGMLType
 SOURCE = "layer_q8.cu"
 THREADS = 512  # LQ_THREADS: the consumer threads
 BLOCK = THREADS + 32  # LQ_BLOCK: and the producer warp
-SLOTS, SLOT = 4, 35840  # LQ_SLOTS, LQ_SLOT: the weight ring
-KVPRE = SLOT  # LQ_KVPRE: the attention chunk's K and V rows
+SLOTS, SLOT = 5, 35840  # LQ_SLOTS, LQ_SLOT: the weight ring
 KMAX = 16384  # LQ_KMAX: the longest activation row
 ACT_BYTES = KMAX + 4 * (KMAX // 32)  # LQ_ACT: also the attention's scores
 GMAX = 8  # LQ_GMAX: query heads a KV head
@@ -39,7 +38,7 @@ LAYER_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm",
 def stack_smem(head_dim: int, group: int) -> int:
     """Dynamic shared memory of the kernel for this head shape (lq_step's layout)."""
     npg = THREADS // (head_dim // 2)
-    return (SLOTS * SLOT + KVPRE + ACT_BYTES + 4 * GMAX * head_dim + 4 * max(npg * group * head_dim, (GMAX + 1) * head_dim)
+    return (SLOTS * SLOT + ACT_BYTES + 4 * GMAX * head_dim + 4 * max(npg * group * head_dim, (GMAX + 1) * head_dim)
             + 2 * 2 * head_dim + 4 * 2 * (THREADS // 32) + 4 * 2 * GMAX + 8 * 32 + 16 + 4 * YMAX
             + LAYER_BYTES * MAX_LAYERS + 2 * 8 * SLOTS)
 
