@@ -62,7 +62,8 @@
 #define LQ_MARKS 14        // trace points a layer
 #define LQ_KP 4            // K rows a warp loads at once
 #define LQ_QR 8            // quantization blocks a warp loads at once
-// NTX_LQ_PROBE (a benchmark's probe, default 0): 1 leaves the rows' arithmetic out (garbage out)
+// NTX_LQ_PROBE (a benchmark's probe, default 0): 1 leaves the rows' arithmetic out, 2 the activation
+// quantization's (garbage out)
 #ifndef NTX_LQ_PROBE
 #define NTX_LQ_PROBE 0
 #endif
@@ -279,6 +280,11 @@ struct LqShared {
 // x (k values, other blocks' stores: read past L1) as one 32-value Q8_1 block a warp at a time
 // into aq / ad: quanti_q8_1's values.
 __device__ __forceinline__ void lq_quant_block(float v, int8_t* aq, float* ad, int sb, int lane) {
+    if (NTX_LQ_PROBE == 2) {  // the probe without the quantization's arithmetic (garbage out)
+        aq[32 * sb + lane] = (int8_t)(v > 0.f);
+        if (lane == 0) ad[sb] = 1.f;
+        return;
+    }
     float d, inv;
     ntx_q8_scale(warp_max(fabsf(v)), &d, &inv);
     aq[32 * sb + lane] = (int8_t)(int)ntx_q8_q(v, inv);
