@@ -57,7 +57,7 @@
 #define LQ_QJ (LQ_KMAX / 32 / LQ_WARPS)  // quantization blocks a warp
 #define LQ_GMAX 8          // query heads a KV head
 #define LQ_DEADLINE_NS 2000000000ull
-#define LQ_NCTR 5          // counters a layer before the KV heads' chunk counters
+#define LQ_NCTR 6          // counters a layer before the KV heads' chunk counters
 #define LQ_BQ 34           // bytes of a Q8_0 block
 #define LQ_MARKS 14        // trace points a layer
 #define LQ_KP 4            // K rows a warp loads at once
@@ -88,6 +88,8 @@ struct LqArgs {
     const float* x0;  // the embedded token (the first layer's residual)
     float *xa, *xb;   // the residual after the attention / after the FFN (xb: the step's output)
     float *qkv, *att, *hid, *part;  // q|k|v, the attention output, silu(g) * u, the chunks' partials
+    int8_t* hq;       // silu(g) * u quantized (Q8_1 values; scales in hqd), a slice by each block
+    float* hqd;
     unsigned* ctr;    // n_layers * (LQ_NCTR + n_kv), zero at launch
     const int* pos;
     const float* rope_ff;
@@ -101,7 +103,7 @@ struct LqArgs {
 
 #define LQ_PARAMS                                                                                                 \
     const LqLayer *layers, int n_layers, const float *x0, float *xa, float *xb, float *qkv, float *att, float *hid, \
-        float *part, unsigned *ctr, const int *pos, const float *rope_ff, int rope_dim, float rope_scale,           \
+        float *part, int8_t *hq, float *hqd, unsigned *ctr, const int *pos, const float *rope_ff, int rope_dim, float rope_scale,           \
         float freq_scale, int neox, int D, int F, int n_head, int n_kv, int chunks, float eps, float scale,     \
         unsigned long long *trace
 
@@ -307,6 +309,23 @@ __device__ __noinline__ void lq_quant_row(const float* x, int k, const LqShared&
             if (sb < nsb) lq_quant_block(v[j], s.aq, s.ad, sb, lane);
         }
     }
+    LQ_SYNC();
+}
+
+// x (k values) quantized once over the grid: block b quantizes its share of the 32-value blocks
+// into xq / xd (global), the blocks meet at *done, and each copies the whole row into aq / ad. For a
+// long row (the down projection's 14336 values) that is cheaper than every block quantizing it all.
+__device__ __noinline__ void lq_quant_share(const float* x, int k, int8_t* xq, float* xd, unsigned* done,
+                                            const LqShared& s) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nsb = k / 32;
+    const int b0 = (int)((unsigned)blockIdx.x * (unsigned)nsb / gridDim.x);
+    const int b1 = (int)((unsigned)(blockIdx.x + 1) * (unsigned)nsb / gridDim.x);
+    for (int sb = b0 + warp; sb < b1; sb += LQ_WARPS) lq_quant_block(__ldcg(x + 32 * sb + lane), xq, xd, sb, lane);
+    lq_signal(done);
+    lq_wait(done, gridDim.x);
+    for (int i = threadIdx.x; i < k / 16; i += LQ_THREADS)
+        reinterpret_cast<int4*>(s.aq)[i] = __ldcg(reinterpret_cast<const int4*>(xq) + i);
+    for (int i = threadIdx.x; i < nsb; i += LQ_THREADS) s.ad[i] = __ldcg(xd + i);
     LQ_SYNC();
 }
 
@@ -660,7 +679,7 @@ __device__ void lq_step(const LqArgs& a) {
         lq_signal(ctr + 3);
         lq_wait(ctr + 3, P);
         LQ_MARK(11);
-        lq_quant_row(a.hid, a.F, s);
+        lq_quant_share(a.hid, a.F, a.hq, a.hqd, ctr + 5, s);
         LQ_MARK(12);
         lq_residual_phase(a, layer, 3, s, it, a.xa, a.xb);
         LQ_MARK(13);
@@ -672,7 +691,7 @@ __device__ void lq_step(const LqArgs& a) {
     extern "C" __global__ void __launch_bounds__(LQ_BLOCK, 1) layer_q8_hd##V(LQ_PARAMS) {                         \
         __shared__ LqArgs sa; /* in shared memory: the helpers take it by reference (no local copy) */          \
         if (threadIdx.x == 0)                                                                                      \
-            sa = {layers, n_layers, x0, xa, xb, qkv, att, hid, part, ctr, pos, rope_ff, rope_dim,                  \
+            sa = {layers, n_layers, x0, xa, xb, qkv, att, hid, part, hq, hqd, ctr, pos, rope_ff, rope_dim,                  \
                   rope_scale, freq_scale, neox, D, F, n_head, n_kv, chunks, eps, scale, trace};                    \
         __syncthreads();                                                                                           \
         lq_step<V / 32>(sa);                                                                                       \

@@ -24,7 +24,7 @@ KMAX = 16384  # LQ_KMAX: the longest activation row
 ACT_BYTES = KMAX + 4 * (KMAX // 32)  # LQ_ACT: also the attention's scores
 GMAX = 8  # LQ_GMAX: query heads a KV head
 NORM_MAX = 16 * THREADS  # LQ_NV values a thread
-NCTR = 5  # LQ_NCTR: counters a layer before the KV heads'
+NCTR = 6  # LQ_NCTR: counters a layer before the KV heads'
 TRACE_MARKS = 14  # LQ_MARKS: the trace points a layer
 MAX_CHUNKS = 32  # context chunks a KV head
 MAX_LAYERS = 96  # LQ_MAX_LAYERS: layer descriptors in shared memory
@@ -94,6 +94,7 @@ class StackDecode:
         d, kvd = cfg.n_embd, cfg.kv_dim
         self.xa, self.xb = new(1, d), new(1, d)
         self.qkv, self.att, self.hid = new(d + 2 * kvd), new(d), new(cfg.n_ff)
+        self.hq, self.hqd = new(cfg.n_ff, dtype=np.int8), new(cfg.n_ff // 32)
         self.part = new(cfg.n_head_kv * self.chunks * (2 * self.group + self.group * cfg.head_dim))
         self.ctr = new(self.n_layers * (NCTR + cfg.n_head_kv), dtype=np.uint32)
         k = b.k
@@ -117,7 +118,8 @@ class StackDecode:
               f"cuMemsetD32Async({self.ctr.size} counters)")
         scale = float(np.float32(1.0 / np.sqrt(c.head_dim)))
         b.k._go(SOURCE, self.kernel, (self.blocks,), (BLOCK,),
-                (self.table, self.n_layers, x, self.xa, self.xb, self.qkv, self.att, self.hid, self.part, self.ctr,
+                (self.table, self.n_layers, x, self.xa, self.xb, self.qkv, self.att, self.hid, self.part, self.hq,
+                 self.hqd, self.ctr,
                  b.pos_buf, b.rope_ff, c.rope_dim, b.rope_scale, c.rope_freq_scale, int(c.rope_type == ROPE_NEOX),
                  c.n_embd, c.n_ff, c.n_head, c.n_head_kv, self.chunks, float(c.rms_eps), scale, self.trace),
                 b.stream, self.smem)
