@@ -170,16 +170,7 @@ __device__ __forceinline__ void lq_wait(const unsigned* c, unsigned target) {
 
 // ntx_block_total over the consumer threads.
 __device__ __forceinline__ double lq_block_total(double v, double* part) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-    LQ_SYNC();
-    if (threadIdx.x == 0) {
-        double t = 0.0;
-        for (int i = 0; i < LQ_WARPS; ++i) t += part[i];
-        part[LQ_WARPS] = t;
-    }
-    LQ_SYNC();
-    return part[LQ_WARPS];
+    return ntx_warps_total(v, part, LQ_WARPS, [] { LQ_SYNC(); });
 }
 
 // Phases of a layer: 0 q|k|v rows, 1 o rows, 2 gate/up row pairs, 3 down rows.

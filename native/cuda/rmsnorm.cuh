@@ -12,18 +12,25 @@
 #define NTX_NORM_REGS 8
 #define NTX_NORM_THREADS 1024  // cuda_kernels.NORM_THREADS: the kernels' launch bounds (64 registers a thread)
 
-// The block's total of the threads' partial sums s (warp butterflies, then warp 0's in order).
-__device__ __forceinline__ double ntx_block_total(double s, double* part) {
+// The total of the partial sums s of `warps` warps' threads (warp butterflies, then warp 0's in order);
+// sync() is their barrier (part: a double a warp).
+template <class Sync>
+__device__ __forceinline__ double ntx_warps_total(double s, double* part, int warps, Sync sync) {
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
-    __syncthreads();
+    sync();
     if (threadIdx.x == 0) {
         double t = 0.0;
-        for (int i = 0; i < (int)(blockDim.x >> 5); ++i) t += part[i];
+        for (int i = 0; i < warps; ++i) t += part[i];
         part[0] = t;
     }
-    __syncthreads();
+    sync();
     return part[0];
+}
+
+// The block's total of the threads' partial sums s.
+__device__ __forceinline__ double ntx_block_total(double s, double* part) {
+    return ntx_warps_total(s, part, (int)(blockDim.x >> 5), [] { __syncthreads(); });
 }
 
 __device__ __forceinline__ float ntx_norm_scale(double total, int k, float eps) {
