@@ -7,9 +7,9 @@
 // block's next weight rows by bulk copies (cp.async.bulk on a "full" mbarrier a slot), in the order
 // the block will multiply them, across matrices and layers. The copies are issued by a producer
 // warp of their own, which refills a slot as soon as the consumers (16 warps, the arithmetic)
-// arrive on its "empty" mbarrier, so no consumer ever waits for a copy to be issued. A weight never depends on the token, so
-// the ring streams during the norms, the attention and the waits between the ops: when one ends,
-// the next matrix's first ~175 KB an SM are already on chip.
+// arrive on its "empty" mbarrier, so no consumer ever waits for a copy to be issued. A weight
+// never depends on the token, so the ring streams during the norms, the attention and the waits
+// between the ops: when one ends, the next matrix's first ~175 KB an SM are already on chip.
 //
 // A layer: (1) every block forms the RMSNorm of the residual and its Q8_1 quantization in its own
 // shared memory (the same values in every block); (2) q/k/v rows; (3) attention, one block a
@@ -17,8 +17,8 @@
 // scores, softmax over the chunk and p.V; the last chunk of a head to finish combines the chunks
 // (flash-decoding: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c); (4) every block quantizes
 // the attention output and multiplies its o rows, adding the residual; (5) the second norm;
-// (6) gate/up rows, silu(g) * u; (7) every block quantizes that and multiplies its down rows,
-// adding the residual. Between the steps a block waits on a counter in global memory that the
+// (6) gate/up rows, silu(g) * u; (7) each block quantizes a slice of that, every block copies the
+// whole quantized row and multiplies its down rows, adding the residual. Between the steps a block waits on a counter in global memory that the
 // producing blocks increment (release) after their stores; nothing else synchronizes the grid.
 // The counters are zeroed before each launch (cuda_layers.StackDecode).
 //
@@ -54,7 +54,6 @@
 #define LQ_KMAX 16384      // the longest activation row (int8 values in shared memory)
 #define LQ_ACT (LQ_KMAX + 4 * (LQ_KMAX / 32))  // Q8_1 values and scales; the attention's scores alias it
 #define LQ_NV 16           // norm values a thread (rows of at most LQ_NV * LQ_THREADS)
-#define LQ_QJ (LQ_KMAX / 32 / LQ_WARPS)  // quantization blocks a warp
 #define LQ_GMAX 8          // query heads a KV head
 #define LQ_DEADLINE_NS 2000000000ull
 #define LQ_NCTR 6          // counters a layer before the KV heads' chunk counters
