@@ -232,7 +232,7 @@ struct LqFill {
         r1 = lq_r0(a, 0, blockIdx.x + 1);
         skip_empty(a);
     }
-    // Issue the next chunk into slot (thread 0 only); nothing once past the last layer.
+    // Issue the next chunk into slot (the producer warp's first lane); nothing once past the last layer.
     __device__ __noinline__ void issue(const LqArgs& a, const LqLayer* lyr, uint8_t* slot, uint64_t* bar) {
         if (layer >= a.n_layers) return;
         const int rb = lq_row_bytes(a, ph);
@@ -269,8 +269,8 @@ struct LqShared {
     int* flag;  // [0] the attention's last-chunk flag, [1] the consumers' phase (4 layer + phase)
 };
 
-// x (k values, other blocks' stores: read past L1) as one 32-value Q8_1 block a warp at a time
-// into aq / ad: quanti_q8_1's values.
+// One 32-value Q8_1 block by a warp (lane's value v) into aq / ad: quanti_q8_1_value's values
+// without the sum (Q8_0 weights do not read it).
 __device__ __forceinline__ void lq_quant_block(float v, int8_t* aq, float* ad, int sb, int lane) {
     if (NTX_LQ_PROBE == 2) {  // the probe without the quantization's arithmetic (garbage out)
         aq[32 * sb + lane] = (int8_t)(v > 0.f);
@@ -283,6 +283,7 @@ __device__ __forceinline__ void lq_quant_block(float v, int8_t* aq, float* ad, i
     if (lane == 0) ad[sb] = ntx_round_f16(d);
 }
 
+// x (k values, other blocks' stores: read past L1) quantized into aq / ad by every block.
 __device__ __noinline__ void lq_quant_row(const float* x, int k, const LqShared& s) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nsb = k / 32;
 #pragma unroll 1
@@ -369,7 +370,7 @@ __device__ __forceinline__ void lq_rows_dot(const uint8_t* slot, int nd, int rb,
 
 // A phase's rows of this block against the activations in aq / ad, chunk by chunk from the ring;
 // each chunk's totals go to out(row, total) (gate/up: out(row, g, u)). it: the ring's running chunk
-// count (slot it % LQ_SLOTS, parity (it / LQ_SLOTS) & 1).
+// count (slot it % NTX_LQ_SLOTS, parity (it / NTX_LQ_SLOTS) & 1).
 template <class Out>
 __device__ void lq_phase(const LqArgs& a, int layer, int ph, const LqShared& s, unsigned& it, Out out) {
     if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(s.flag + 1) = 4 * layer + ph;  // the producer's pace
