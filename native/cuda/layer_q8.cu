@@ -44,13 +44,18 @@
 #define LQ_BLOCK (LQ_THREADS + 32)  // + the producer warp, which only issues the ring's bulk copies
 // A barrier of the consumer threads alone (the producer warp never waits for them).
 #define LQ_SYNC() asm volatile("bar.sync 1, %0;" ::"n"(LQ_THREADS) : "memory")
-#define LQ_SLOTS 5         // slots of shared memory (the ring uses NTX_LQ_SLOTS of them)
+#define LQ_SLOTS 4         // slots of shared memory (the ring uses NTX_LQ_SLOTS of them)
 #ifndef NTX_LQ_SLOTS
-#define NTX_LQ_SLOTS 5
+#define NTX_LQ_SLOTS 4
 #endif
 #define LQ_MAX_LAYERS 96   // layer descriptors kept in shared memory
-#define LQ_YMAX 256        // rows of a matrix a block at most
-#define LQ_SLOT 35840      // bytes a ring slot (16 of them padding: ld8 reads a ninth word)
+#define LQ_PMAX 1024       // row parts of a phase a block at most (rows x warps a row)
+#define LQ_GROUPS 2        // consumer warp groups: chunk i is read by group i % LQ_GROUPS
+#define LQ_GW (LQ_WARPS / LQ_GROUPS)
+// A group reuses only its own slots: with another group's chunk last in a slot, a group running ahead
+// could find that slot's "full" phase parity already flipped by a copy two rounds back and read it early.
+static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ring's slots per group");
+#define LQ_SLOT 34832      // bytes a ring slot (16 of them padding: ld8 reads a ninth word)
 #define LQ_KMAX 16384      // the longest activation row (int8 values in shared memory)
 #define LQ_ACT (LQ_KMAX + 4 * (LQ_KMAX / 32))  // Q8_1 values and scales; the attention's scores alias it
 #define LQ_NV 16           // norm values a thread (rows of at most LQ_NV * LQ_THREADS)
@@ -60,16 +65,10 @@
 #define LQ_BQ 34           // bytes of a Q8_0 block
 #define LQ_MARKS 14        // trace points a layer
 #define LQ_KP 4            // K rows a warp loads at once
-#define LQ_QR 8            // quantization blocks a warp loads at once
 // NTX_LQ_PROBE (a benchmark's probe, default 0): 1 leaves the rows' arithmetic out, 2 the activation
-// quantization's (garbage out)
+// quantization's, 3 the weight copies (the producer marks a slot full without filling it; garbage out)
 #ifndef NTX_LQ_PROBE
 #define NTX_LQ_PROBE 0
-#endif
-// NTX_LQ_AHEAD: chunks of a phase the producer fetches before the consumers reach it (default:
-// as many as the ring holds)
-#ifndef NTX_LQ_AHEAD
-#define NTX_LQ_AHEAD 1000
 #endif
 #ifndef NTX_LQ_EVICT_FIRST
 #define NTX_LQ_EVICT_FIRST 1
@@ -205,16 +204,6 @@ __device__ __forceinline__ const uint8_t* lq_src(const LqLayer& L, const LqArgs&
     return (ph == 1 ? L.wo : ph == 2 ? L.wg : L.wd) + (size_t)row * rb;
 }
 
-// A chunk's bytes as NTX_LQ_SPLIT bulk copies (16-byte multiples) on one mbarrier.
-#ifndef NTX_LQ_SPLIT
-#define NTX_LQ_SPLIT 1
-#endif
-__device__ __forceinline__ void lq_copy_split(uint8_t* dst, const uint8_t* src, unsigned bytes, uint64_t* bar) {
-    const unsigned part = (bytes / NTX_LQ_SPLIT) & ~15u;
-    for (int i = 0; i < NTX_LQ_SPLIT - 1; ++i) lq_copy(dst + i * part, src + i * part, part, bar);
-    lq_copy(dst + (NTX_LQ_SPLIT - 1) * part, src + (NTX_LQ_SPLIT - 1) * part, bytes - (NTX_LQ_SPLIT - 1) * part, bar);
-}
-
 // The ring's filler: the block's chunks in consumption order (layer, phase, rows), one slot each.
 struct LqFill {
     int layer, ph, row, r1;
@@ -239,12 +228,12 @@ struct LqFill {
         const int n = min(min(lq_rpc(a, ph), r1 - row), lq_mat_end(a, ph, row) - row);
         const LqLayer& L = lyr[layer];
         const unsigned bytes = (unsigned)(n * rb);
-        lq_expect(bar, ph == 2 ? 2 * bytes : bytes);
-        if (ph == 2) {
-            lq_copy_split(slot, L.wg + (size_t)row * rb, bytes, bar);
-            lq_copy_split(slot + bytes, L.wu + (size_t)row * rb, bytes, bar);
+        if (NTX_LQ_PROBE == 3) {
+            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(bar)) : "memory");
         } else {
-            lq_copy_split(slot, lq_src(L, a, ph, row, rb), bytes, bar);
+            lq_expect(bar, ph == 2 ? 2 * bytes : bytes);
+            lq_copy(slot, lq_src(L, a, ph, row, rb), bytes, bar);
+            if (ph == 2) lq_copy(slot + bytes, L.wu + (size_t)row * rb, bytes, bar);
         }
         row += n;
         skip_empty(a);
@@ -262,43 +251,47 @@ struct LqShared {
     float* qa;   // the group's rotated q, fp16-rounded
     uint16_t *knew, *vnew;
     float* red_o;  // the p.V sums of the position groups
-    float* red;    // [2][LQ_WARPS] row parts
-    float* yrow;   // [LQ_YMAX] a residual phase's products
+    float* pr;     // [LQ_PMAX] a phase's row parts (gate/up: the gate rows', then the up rows')
     double* part;  // the norm's warp totals
     float* stat;   // [2][LQ_GMAX] chunk max and sum
-    int* flag;  // [0] the attention's last-chunk flag, [1] the consumers' phase (4 layer + phase)
+    int* flag;  // [0] the attention's last-chunk flag
 };
 
-// One 32-value Q8_1 block by a warp (lane's value v) into aq / ad: quanti_q8_1_value's values
-// without the sum (Q8_0 weights do not read it).
-__device__ __forceinline__ void lq_quant_block(float v, int8_t* aq, float* ad, int sb, int lane) {
+// Four values of a 32-value Q8_1 block (quanti_q8_1_value's values without the sum: Q8_0 weights do
+// not read it): every lane of the warp calls it, the 8 lanes 8m..8m+7 holding one block (float4
+// c of the row: values 4c..4c+3, block c / 8); only active lanes store. Warp-uniform callers only.
+__device__ __forceinline__ void lq_quant4(float4 v, bool active, int c, int8_t* aq, float* ad) {
     if (NTX_LQ_PROBE == 2) {  // the probe without the quantization's arithmetic (garbage out)
-        aq[32 * sb + lane] = (int8_t)(v > 0.f);
-        if (lane == 0) ad[sb] = 1.f;
+        if (active) reinterpret_cast<char4*>(aq)[c] = make_char4(v.x > 0.f, v.y > 0.f, v.z > 0.f, v.w > 0.f);
+        if (active && c % 8 == 0) ad[c / 8] = 1.f;
         return;
     }
+    float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     float d, inv;
-    ntx_q8_scale(warp_max(fabsf(v)), &d, &inv);
-    aq[32 * sb + lane] = (int8_t)(int)ntx_q8_q(v, inv);
-    if (lane == 0) ad[sb] = ntx_round_f16(d);
+    ntx_q8_scale(m, &d, &inv);
+    if (active) {
+        reinterpret_cast<char4*>(aq)[c] = make_char4((signed char)(int)ntx_q8_q(v.x, inv), (signed char)(int)ntx_q8_q(v.y, inv),
+                                                     (signed char)(int)ntx_q8_q(v.z, inv), (signed char)(int)ntx_q8_q(v.w, inv));
+        if (c % 8 == 0) ad[c / 8] = ntx_round_f16(d);
+    }
 }
 
-// x (k values, other blocks' stores: read past L1) quantized into aq / ad by every block.
+__device__ __forceinline__ float4 lq_f4(const float* x, int c, bool active) {
+    return active ? __ldcg(reinterpret_cast<const float4*>(x) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// x (k values, k % 128 == 0, other blocks' stores: read past L1) quantized into aq / ad by every
+// block: thread t the float4s t + LQ_THREADS j, all loaded before any is quantized.
 __device__ __noinline__ void lq_quant_row(const float* x, int k, const LqShared& s) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nsb = k / 32;
-#pragma unroll 1
-    for (int j0 = 0; j0 * LQ_WARPS < nsb; j0 += LQ_QR) {
-        float v[LQ_QR];
+    float4 v[LQ_NV / 4];
 #pragma unroll
-        for (int j = 0; j < LQ_QR; ++j) {
-            const int sb = warp + LQ_WARPS * (j0 + j);
-            if (sb < nsb) v[j] = __ldcg(x + 32 * sb + lane);
-        }
+    for (int j = 0; j < LQ_NV / 4; ++j) v[j] = lq_f4(x, threadIdx.x + LQ_THREADS * j, threadIdx.x + LQ_THREADS * j < k / 4);
 #pragma unroll
-        for (int j = 0; j < LQ_QR; ++j) {
-            const int sb = warp + LQ_WARPS * (j0 + j);
-            if (sb < nsb) lq_quant_block(v[j], s.aq, s.ad, sb, lane);
-        }
+    for (int j = 0; j < LQ_NV / 4; ++j) {
+        const int c = threadIdx.x + LQ_THREADS * j;
+        if (c - (int)(threadIdx.x & 31) < k / 4) lq_quant4(v[j], c < k / 4, c, s.aq, s.ad);
     }
     LQ_SYNC();
 }
@@ -308,10 +301,11 @@ __device__ __noinline__ void lq_quant_row(const float* x, int k, const LqShared&
 // long row (the down projection's 14336 values) that is cheaper than every block quantizing it all.
 __device__ __noinline__ void lq_quant_share(const float* x, int k, int8_t* xq, float* xd, unsigned* done,
                                             const LqShared& s) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nsb = k / 32;
-    const int b0 = (int)((unsigned)blockIdx.x * (unsigned)nsb / gridDim.x);
-    const int b1 = (int)((unsigned)(blockIdx.x + 1) * (unsigned)nsb / gridDim.x);
-    for (int sb = b0 + warp; sb < b1; sb += LQ_WARPS) lq_quant_block(__ldcg(x + 32 * sb + lane), xq, xd, sb, lane);
+    const int nsb = k / 32;
+    const int c0 = 8 * (int)((unsigned)blockIdx.x * (unsigned)nsb / gridDim.x);
+    const int c1 = 8 * (int)((unsigned)(blockIdx.x + 1) * (unsigned)nsb / gridDim.x);
+    for (int c = c0 + (int)threadIdx.x; c - (int)(threadIdx.x & 31) < c1; c += LQ_THREADS)
+        lq_quant4(lq_f4(x, c, c < c1), c < c1, c, xq, xd);
     lq_signal(done);
     lq_wait(done, gridDim.x);
     for (int i = threadIdx.x; i < k / 16; i += LQ_THREADS)
@@ -320,38 +314,43 @@ __device__ __noinline__ void lq_quant_share(const float* x, int k, int8_t* xq, f
     LQ_SYNC();
 }
 
-// rmsnorm(x) * w (rmsnorm.cuh's rounding) quantized into aq / ad. Thread t holds values
-// t + LQ_THREADS j, so warp w holds whole quantization blocks w + LQ_WARPS j.
+// rmsnorm(x) * w (rmsnorm.cuh's rounding; the squares summed in another order) quantized into aq /
+// ad: thread t the float4s t + LQ_THREADS j of x and w, all loaded first.
 __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict__ w, int k, float eps, const LqShared& s) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float v[LQ_NV];
+    float4 v[LQ_NV / 4], wv[LQ_NV / 4];
     double ss = 0.0;
 #pragma unroll
-    for (int j = 0; j < LQ_NV; ++j) {
-        const int i = threadIdx.x + LQ_THREADS * j;
-        if (i < k) v[j] = __ldcg(x + i);
+    for (int j = 0; j < LQ_NV / 4; ++j) {
+        const int c = threadIdx.x + LQ_THREADS * j;
+        v[j] = lq_f4(x, c, c < k / 4);
+        wv[j] = c < k / 4 ? __ldg(reinterpret_cast<const float4*>(w) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
-    for (int j = 0; j < LQ_NV; ++j)
-        if (threadIdx.x + LQ_THREADS * j < k) ss += (double)v[j] * (double)v[j];
+    for (int j = 0; j < LQ_NV / 4; ++j) {
+        ss += (double)v[j].x * (double)v[j].x;
+        ss += (double)v[j].y * (double)v[j].y;
+        ss += (double)v[j].z * (double)v[j].z;
+        ss += (double)v[j].w * (double)v[j].w;
+    }
     const float scale = ntx_norm_scale(lq_block_total(ss, s.part), k, eps);
 #pragma unroll
-    for (int j = 0; j < LQ_NV; ++j) {
-        const int i = threadIdx.x + LQ_THREADS * j;
-        if (i < k) lq_quant_block(__fmul_rn(__fmul_rn(v[j], scale), __ldg(w + i)), s.aq, s.ad, warp + LQ_WARPS * j, lane);
+    for (int j = 0; j < LQ_NV / 4; ++j) {
+        const int c = threadIdx.x + LQ_THREADS * j;
+        if (c - (int)(threadIdx.x & 31) < k / 4) {
+            const float4 y = make_float4(__fmul_rn(__fmul_rn(v[j].x, scale), wv[j].x), __fmul_rn(__fmul_rn(v[j].y, scale), wv[j].y),
+                                         __fmul_rn(__fmul_rn(v[j].z, scale), wv[j].z), __fmul_rn(__fmul_rn(v[j].w, scale), wv[j].w));
+            lq_quant4(y, c < k / 4, c, s.aq, s.ad);
+        }
     }
     LQ_SYNC();
 }
 
-// The dot products of the nd rows of a slot (row_bytes each) with the activations: warp w takes
-// row w / wpr, units (w % wpr) * 32 + lane, step 32 wpr; its sum goes to red[w].
-__device__ __forceinline__ void lq_rows_dot(const uint8_t* slot, int nd, int rb, int units, const LqShared& s,
-                                            float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpr = LQ_WARPS / nd;
-    const int j = warp / wpr, pt = warp % wpr;
-    if (j >= nd || NTX_LQ_PROBE == 1) return;
-    const uint8_t* rowp = slot + (size_t)j * rb;
+// The dot product of one row of a slot (units 32-value blocks) with the activations by a warp's
+// lane: units pt * 32 + lane, step 32 wpr (the row's wpr warps, this one part pt).
+__device__ __forceinline__ float lq_row_dot(const uint8_t* rowp, int units, int pt, int wpr, const LqShared& s) {
+    const int lane = threadIdx.x & 31;
     float acc = 0.f;
+    if (NTX_LQ_PROBE == 1) return acc;
     for (int u = pt * 32 + lane; u < units; u += 32 * wpr) {
         const uint8_t* b = rowp + u * LQ_BQ;
         uint32_t q[8];
@@ -364,57 +363,81 @@ __device__ __forceinline__ void lq_rows_dot(const uint8_t* slot, int nd, int rb,
         d = __dp4a((int)q[6], xb.z, d); d = __dp4a((int)q[7], xb.w, d);
         acc += s.ad[u] * (ntx_ldh(b) * (float)d);
     }
-    acc = warp_sum(acc);
-    if (lane == 0) red[warp] = acc;
+    return acc;
 }
 
 // A phase's rows of this block against the activations in aq / ad, chunk by chunk from the ring;
-// each chunk's totals go to out(row, total) (gate/up: out(row, g, u)). it: the ring's running chunk
-// count (slot it % NTX_LQ_SLOTS, parity (it / NTX_LQ_SLOTS) & 1).
+// out(row, total) gets each row's total (gate/up: out(row, g, u)) once the phase's chunks are all
+// read. Chunk i is read by warp group i % LQ_GROUPS alone (LQ_GW warps): each warp waits for the
+// slot, writes its rows' parts into s.pr and releases the slot itself (the "empty" mbarrier counts
+// a group's warps), so no barrier a chunk and the groups overlap; the block meets once at the end,
+// where the parts of a row are added in a fixed order. A chunk's rows (gate/up: its gate rows,
+// then its up rows) go to the group's warps, wpr warps a row when there are fewer rows than warps.
+// it: the ring's running chunk count (slot it % NTX_LQ_SLOTS, parity (it / NTX_LQ_SLOTS) & 1).
 template <class Out>
-__device__ void lq_phase(const LqArgs& a, int layer, int ph, const LqShared& s, unsigned& it, Out out) {
-    if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(s.flag + 1) = 4 * layer + ph;  // the producer's pace
-    const int r0 = lq_r0(a, ph, blockIdx.x), r1 = lq_r0(a, ph, blockIdx.x + 1);
+__device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& it, Out out) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp / LQ_GW, wi = warp % LQ_GW;
+    const int r0 = lq_r0(a, ph, blockIdx.x), nr = lq_r0(a, ph, blockIdx.x + 1) - r0;
     const int rb = lq_row_bytes(a, ph), units = (ph == 3 ? a.F : a.D) / 32, rpc = lq_rpc(a, ph);
-    for (int row = r0; row < r1;) {
-        const int n = min(min(rpc, r1 - row), lq_mat_end(a, ph, row) - row), nd = ph == 2 ? 2 * n : n;
-        const int slot = it % NTX_LQ_SLOTS;
-        uint8_t* sp = s.ring + (size_t)slot * LQ_SLOT;
-        float* red = s.red + (it & 1) * LQ_WARPS;
-        lq_wait_bar(s.full + slot, (it / NTX_LQ_SLOTS) & 1);
-        lq_rows_dot(sp, nd, rb, units, s, red);
-        LQ_SYNC();  // the slot is read: the producer may refill it
-        if (threadIdx.x == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(s.empty + slot)) : "memory");
-        const int wpr = LQ_WARPS / nd;
-        if (threadIdx.x < n) {
-            float t = 0.f;
-            for (int p = 0; p < wpr; ++p) t += red[threadIdx.x * wpr + p];
-            if (ph == 2) {
-                float u = 0.f;
-                for (int p = 0; p < wpr; ++p) u += red[(n + threadIdx.x) * wpr + p];
-                out(row + threadIdx.x, t, u);
-            } else {
-                out(row + threadIdx.x, t, 0.f);
+    const int per = ph == 2 ? 2 : 1, wpr = max(1, LQ_GW / (per * rpc)), pt = wi % wpr;
+    unsigned i = it;
+    for (int row = 0; row < nr; ++i) {
+        const int n = min(min(rpc, nr - row), lq_mat_end(a, ph, r0 + row) - r0 - row);
+        if ((int)(i % LQ_GROUPS) == grp) {
+            const int slot = i % NTX_LQ_SLOTS;
+            const uint8_t* sp = s.ring + (size_t)slot * LQ_SLOT;
+            lq_wait_bar(s.full + slot, (i / NTX_LQ_SLOTS) & 1);
+            for (int j = wi / wpr; j < per * n; j += LQ_GW / wpr) {
+                const float t = warp_sum(lq_row_dot(sp + (size_t)j * rb, units, pt, wpr, s));
+                const int r = j < n ? row + j : nr + row + j - n;  // up rows after the gate rows
+                if (lane == 0) s.pr[r * wpr + pt] = t;
             }
+            __syncwarp();
+            if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(s.empty + slot)) : "memory");
         }
         row += n;
-        ++it;
     }
+    it = i;
+    LQ_SYNC();
+    for (int r = threadIdx.x; r < nr; r += LQ_THREADS) {
+        float t = 0.f, u = 0.f;
+        for (int q = 0; q < wpr; ++q) t += s.pr[r * wpr + q];
+        if (ph == 2)
+            for (int q = 0; q < wpr; ++q) u += s.pr[(nr + r) * wpr + q];
+        out(r0 + r, t, u);
+    }
+    LQ_SYNC();  // s.pr is read
 }
 
 // A residual phase (o, down): y = res + W x for the block's rows, the residual read before the
-// rows are multiplied (its load overlaps them) and added once they all are.
-__device__ void lq_residual_phase(const LqArgs& a, int layer, int ph, const LqShared& s, unsigned& it,
-                                  const float* res, float* y) {
+// rows are multiplied (its load overlaps them).
+__device__ void lq_residual_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& it, const float* res,
+                                  float* y) {
     const int r0 = lq_r0(a, ph, blockIdx.x), nr = lq_r0(a, ph, blockIdx.x + 1) - r0;
     const float rv = threadIdx.x < nr ? __ldcg(res + r0 + threadIdx.x) : 0.f;
-    lq_phase(a, layer, ph, s, it, [&](int r, float t, float) { s.yrow[r - r0] = t; });
-    LQ_SYNC();
-    if (threadIdx.x < nr) y[r0 + threadIdx.x] = __fadd_rn(rv, s.yrow[threadIdx.x]);
+    lq_phase(a, ph, s, it, [&](int r, float t, float) { y[r] = __fadd_rn(rv, t); });
 }
 
-// One (KV head, chunk) of the layer's attention; the head's last chunk to finish combines them.
-template <int V>
+// The scores of one K row for the GM query heads of a group (group_dots without its per-head
+// exits: GM >= G sums side by side, the ones past G unused), so the butterflies are straight code.
+template <int V, int GM>
+__device__ __forceinline__ void lq_group_dots(const float* qs, const float* kf, int lane, float* sg) {
+#pragma unroll
+    for (int g = 0; g < GM; ++g) {
+        const float* qh = qs + g * 32 * V + lane * V;
+        sg[g] = 0.f;
+#pragma unroll
+        for (int i = 0; i < V; ++i) sg[g] += qh[i] * kf[i];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int g = 0; g < GM; ++g) sg[g] += __shfl_xor_sync(0xffffffffu, sg[g], o);
+}
+
+// One (KV head, chunk) of the layer's attention for groups of G <= GM query heads; the head's last
+// chunk to finish combines them.
+template <int V, int GM>
 __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int layer, int unit, const LqShared& s) {
     constexpr int HD = 32 * V, NPG = LQ_THREADS / (HD / 2);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -462,12 +485,12 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         for (int j = 0; j < LQ_KP; ++j) {
             const int p = base + LQ_WARPS * j;
             if (p >= p1) break;
-            float sg[LQ_GMAX];
-            group_dots<V, LQ_GMAX>(s.qa, kf[j], G, lane, sg);
+            float sg[GM];
+            lq_group_dots<V, GM>(s.qa, kf[j], lane, sg);
             if (lane < G) {
                 float v = 0.f;
 #pragma unroll
-                for (int g = 0; g < LQ_GMAX; ++g)
+                for (int g = 0; g < GM; ++g)
                     if (g == lane) v = sg[g];
                 s.sc[lane * np + (p - p0)] = v * a.scale;
             }
@@ -495,16 +518,16 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
     // p.V: thread t the dims 2 dt, 2 dt + 1 of positions p0 + pg + NPG i
     {
         const int dt = threadIdx.x % (HD / 2), pg = threadIdx.x / (HD / 2);
-        float acc[LQ_GMAX][2];
+        float acc[GM][2];
 #pragma unroll
-        for (int g = 0; g < LQ_GMAX; ++g) acc[g][0] = acc[g][1] = 0.f;
+        for (int g = 0; g < GM; ++g) acc[g][0] = acc[g][1] = 0.f;
 #pragma unroll 4
         for (int p = p0 + pg; p < p1; p += NPG) {
             const uint32_t w = p == pos ? *reinterpret_cast<const uint32_t*>(s.vnew + 2 * dt)
                                         : *reinterpret_cast<const uint32_t*>(L.vc + (size_t)p * kvd + col + 2 * dt);
             const float v0 = ntx_h2f((uint16_t)(w & 0xffffu)), v1 = ntx_h2f((uint16_t)(w >> 16));
 #pragma unroll
-            for (int g = 0; g < LQ_GMAX; ++g) {
+            for (int g = 0; g < GM; ++g) {
                 if (g >= G) break;
                 const float e = s.sc[g * np + (p - p0)];
                 acc[g][0] += e * v0;
@@ -513,7 +536,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         }
         LQ_SYNC();  // qraw (red_o) is no longer read
 #pragma unroll
-        for (int g = 0; g < LQ_GMAX; ++g) {
+        for (int g = 0; g < GM; ++g) {
             if (g >= G) break;
             s.red_o[(pg * G + g) * HD + 2 * dt] = acc[g][0];
             s.red_o[(pg * G + g) * HD + 2 * dt + 1] = acc[g][1];
@@ -583,11 +606,10 @@ __device__ void lq_step(const LqArgs& a) {
         s.red_o = reinterpret_cast<float*>(p); p += 4 * max(NPG * G * HD, (LQ_GMAX + 1) * HD);
         s.knew = reinterpret_cast<uint16_t*>(p); p += 2 * HD;
         s.vnew = reinterpret_cast<uint16_t*>(p); p += 2 * HD;
-        s.red = reinterpret_cast<float*>(p); p += 4 * 2 * LQ_WARPS;
         s.stat = reinterpret_cast<float*>(p); p += 4 * 2 * LQ_GMAX;
         s.part = reinterpret_cast<double*>(p); p += 8 * 32;
         s.flag = reinterpret_cast<int*>(p); p += 16;
-        s.yrow = reinterpret_cast<float*>(p); p += 4 * LQ_YMAX;
+        s.pr = reinterpret_cast<float*>(p); p += 4 * LQ_PMAX;
         s.layers = reinterpret_cast<LqLayer*>(p); p += sizeof(LqLayer) * LQ_MAX_LAYERS;
         s.full = reinterpret_cast<uint64_t*>(p); p += 8 * LQ_SLOTS;
         s.empty = reinterpret_cast<uint64_t*>(p);
@@ -598,28 +620,18 @@ __device__ void lq_step(const LqArgs& a) {
     if (threadIdx.x == 0) {
         for (int i = 0; i < NTX_LQ_SLOTS; ++i) {
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(lq_smem(s.full + i)) : "memory");
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(lq_smem(s.empty + i)) : "memory");
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(lq_smem(s.empty + i)), "n"(LQ_GW) : "memory");
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        s.flag[1] = -1;
     }
     __syncthreads();
     if (threadIdx.x >= LQ_THREADS) {  // the producer warp: the block's chunks in order, a slot as soon as it is read
         if (threadIdx.x == LQ_THREADS) {
             LqFill f;
             f.start(a);
-            int q = -1, k = 0;  // the phase (4 layer + phase) of the chunk issued last, and its count in it
             for (unsigned i = 0; f.layer < a.n_layers; ++i) {
-                const int slot = i % NTX_LQ_SLOTS, gq = 4 * f.layer + f.ph;
+                const int slot = i % NTX_LQ_SLOTS;
                 if (i >= NTX_LQ_SLOTS) lq_wait_bar(s.empty + slot, (i / NTX_LQ_SLOTS - 1) & 1);
-                k = gq == q ? k + 1 : 0;
-                q = gq;
-                if (k >= NTX_LQ_AHEAD && *reinterpret_cast<volatile int*>(s.flag + 1) < gq) {
-                    // at most NTX_LQ_AHEAD chunks of a phase the consumers have not reached
-                    const unsigned long long t0 = global_ns();
-                    while (*reinterpret_cast<volatile int*>(s.flag + 1) < gq)
-                        if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();
-                }
                 f.issue(a, s.layers, s.ring + (size_t)slot * LQ_SLOT, s.full + slot);
             }
         }
@@ -646,33 +658,38 @@ __device__ void lq_step(const LqArgs& a) {
         LQ_MARK(1);
         lq_norm_row(xin, L.attn_norm, a.D, a.eps, s);
         LQ_MARK(2);
-        lq_phase(a, layer, 0, s, it, [&](int r, float t, float) { a.qkv[r] = t; });
+        lq_phase(a, 0, s, it, [&](int r, float t, float) { a.qkv[r] = t; });
         LQ_MARK(3);
         lq_signal(ctr + 0);
         if ((int)blockIdx.x < a.n_kv * a.chunks) {
             lq_wait(ctr + 0, P);
-            lq_attention<V>(a, L, layer, blockIdx.x, s);
+            if (G <= 2)
+                lq_attention<V, 2>(a, L, layer, blockIdx.x, s);
+            else if (G <= 4)
+                lq_attention<V, 4>(a, L, layer, blockIdx.x, s);
+            else
+                lq_attention<V, LQ_GMAX>(a, L, layer, blockIdx.x, s);
         }
         LQ_MARK(4);
         lq_wait(ctr + 1, a.n_kv);
         LQ_MARK(5);
         lq_quant_row(a.att, a.D, s);
         LQ_MARK(6);
-        lq_residual_phase(a, layer, 1, s, it, xin, a.xa);
+        lq_residual_phase(a, 1, s, it, xin, a.xa);
         LQ_MARK(7);
         lq_signal(ctr + 2);
         lq_wait(ctr + 2, P);
         LQ_MARK(8);
         lq_norm_row(a.xa, L.ffn_norm, a.D, a.eps, s);
         LQ_MARK(9);
-        lq_phase(a, layer, 2, s, it, [&](int r, float g, float u) { a.hid[r] = ntx_swiglu(g, u); });
+        lq_phase(a, 2, s, it, [&](int r, float g, float u) { a.hid[r] = ntx_swiglu(g, u); });
         LQ_MARK(10);
         lq_signal(ctr + 3);
         lq_wait(ctr + 3, P);
         LQ_MARK(11);
         lq_quant_share(a.hid, a.F, a.hq, a.hqd, ctr + 5, s);
         LQ_MARK(12);
-        lq_residual_phase(a, layer, 3, s, it, a.xa, a.xb);
+        lq_residual_phase(a, 3, s, it, a.xa, a.xb);
         LQ_MARK(13);
         lq_signal(ctr + 4);
     }

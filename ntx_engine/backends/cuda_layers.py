@@ -19,7 +19,7 @@ from ntx_engine.quants import GGMLType
 SOURCE = "layer_q8.cu"
 THREADS = 512  # LQ_THREADS: the consumer threads
 BLOCK = THREADS + 32  # LQ_BLOCK: and the producer warp
-SLOTS, SLOT = 5, 35840  # LQ_SLOTS, LQ_SLOT: the weight ring
+SLOTS, SLOT = 4, 34832  # LQ_SLOTS, LQ_SLOT: the weight ring
 KMAX = 16384  # LQ_KMAX: the longest activation row
 ACT_BYTES = KMAX + 4 * (KMAX // 32)  # LQ_ACT: also the attention's scores
 GMAX = 8  # LQ_GMAX: query heads a KV head
@@ -30,7 +30,8 @@ MAX_CHUNKS = 32  # context chunks a KV head
 MAX_LAYERS = 96  # LQ_MAX_LAYERS: layer descriptors in shared memory
 LAYER_BYTES = 8 * 11  # sizeof(LqLayer)
 STATIC_SMEM = 512  # at least the kernel's static shared memory (ptxas: 384 bytes)
-YMAX = 256  # LQ_YMAX: rows of the o / down projection a block at most
+PMAX = 1024  # LQ_PMAX: a phase's row parts a block (rows x warps a row)
+GROUPS = 2  # LQ_GROUPS: consumer warp groups (chunk i: group i % GROUPS)
 HEAD_DIMS = (64, 128)  # the kernels built (layer_q8_hd64, layer_q8_hd128)
 LAYER_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm", "ffn_norm")  # + k, v caches
 
@@ -39,8 +40,18 @@ def stack_smem(head_dim: int, group: int) -> int:
     """Dynamic shared memory of the kernel for this head shape (lq_step's layout)."""
     npg = THREADS // (head_dim // 2)
     return (SLOTS * SLOT + ACT_BYTES + 4 * GMAX * head_dim + 4 * max(npg * group * head_dim, (GMAX + 1) * head_dim)
-            + 2 * 2 * head_dim + 4 * 2 * (THREADS // 32) + 4 * 2 * GMAX + 8 * 32 + 16 + 4 * YMAX
+            + 2 * 2 * head_dim + 4 * 2 * GMAX + 8 * 32 + 16 + 4 * PMAX
             + LAYER_BYTES * MAX_LAYERS + 2 * 8 * SLOTS)
+
+
+def phase_parts(rows: int, row_bytes: int, pair: bool, sm_count: int) -> int:
+    """Row parts one block keeps for a phase (lq_phase): its rows (gate/up: twice) x warps a row."""
+    per = 2 if pair else 1
+    rpc = 1
+    while 2 * rpc * per <= THREADS // 32 and 2 * rpc * per * row_bytes <= SLOT - 16:
+        rpc *= 2
+    wpr = max(1, THREADS // 32 // GROUPS // (per * rpc))
+    return -(-rows // sm_count) * per * wpr
 
 
 def stack_chunks(cfg: ModelConfig, sm_count: int) -> int:
@@ -66,8 +77,12 @@ def stack_unfit(cfg: ModelConfig, layers: list, n_ctx: int, cc: tuple[int, int],
             w = getattr(lw, name, None)
             if getattr(w, "ggml_type", None) != GGMLType.Q8_0:
                 return f"{getattr(w, 'name', name)} is {getattr(getattr(w, 'ggml_type', None), 'name', type(w).__name__)}, not Q8_0"
-    if len(layers) > MAX_LAYERS or -(-d // sm_count) > YMAX:
-        return f"{len(layers)} layers of {d} rows on {sm_count} SMs (at most {MAX_LAYERS} layers, {YMAX} rows an SM)"
+    rb_d, rb_f, kv = d // 32 * 34, f // 32 * 34, cfg.n_head_kv * hd
+    parts = max(phase_parts(d + 2 * kv, rb_d, False, sm_count), phase_parts(d, rb_d, False, sm_count),
+                phase_parts(f, rb_d, True, sm_count), phase_parts(d, rb_f, False, sm_count))
+    if len(layers) > MAX_LAYERS or parts > PMAX or -(-d // sm_count) > THREADS:
+        return (f"{len(layers)} layers, {d} x {f} rows on {sm_count} SMs: {parts} row parts an SM "
+                f"(at most {MAX_LAYERS} layers, {PMAX} parts)")
     smem = stack_smem(hd, group)
     if smem + STATIC_SMEM > smem_optin:
         return f"needs {smem} bytes of shared memory a block, the GPU allows {smem_optin}"
