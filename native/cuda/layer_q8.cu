@@ -65,6 +65,7 @@ static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ri
 #define LQ_BQ 34           // bytes of a Q8_0 block
 #define LQ_MARKS 14        // trace points a layer
 #define LQ_KP 4            // K rows a warp loads at once
+#define LQ_KVS 32768       // bytes of shared memory for the attention chunk's first K and V rows
 // NTX_LQ_PROBE (a benchmark's probe, default 0): 1 leaves the rows' arithmetic out, 2 the activation
 // quantization's, 3 the weight copies (the producer marks a slot full without filling it; garbage out)
 #ifndef NTX_LQ_PROBE
@@ -147,13 +148,37 @@ __device__ __forceinline__ void lq_wait_bar(uint64_t* bar, unsigned parity) {
         if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();
 }
 
-// The block's stores before it are visible to the blocks that wait for *c after it.
+// NTX_LQ_RED: the blocks signal with a release reduction (1) or a sequentially consistent fence and an
+// atomic add (0)
+#ifndef NTX_LQ_RED
+#define NTX_LQ_RED 1
+#endif
+
+// The block's stores before it are visible to the blocks that wait for *c after it: the barrier orders
+// the consumers' stores before thread 0's release (cumulative), which lq_wait's acquire pairs with.
 __device__ __forceinline__ void lq_signal(unsigned* c) {
     LQ_SYNC();
     if (threadIdx.x == 0) {
+#if NTX_LQ_RED
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
+#else
         __threadfence();
         atomicAdd(c, 1u);
+#endif
     }
+}
+
+// Thread 0's release add returning the count before it, with acquire (the last of a head's chunks
+// reads the others' partials after it, past the consumers' barrier).
+__device__ __forceinline__ unsigned lq_arrive_count(unsigned* c) {
+#if NTX_LQ_RED
+    unsigned v;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(c) : "memory");
+    return v;
+#else
+    __threadfence();
+    return atomicAdd(c, 1u);
+#endif
 }
 
 __device__ __forceinline__ void lq_wait(const unsigned* c, unsigned target) {
@@ -250,6 +275,7 @@ struct LqShared {
     float* sc;   // the attention's scores (aliases aq / ad)
     float* qa;   // the group's rotated q, fp16-rounded
     uint16_t *knew, *vnew;
+    uint16_t* kv;  // [LQ_KVS / 2] the chunk's first K rows, then as many V rows
     float* red_o;  // the p.V sums of the position groups
     float* pr;     // [LQ_PMAX] a phase's row parts (gate/up: the gate rows', then the up rows')
     double* part;  // the norm's warp totals
@@ -438,13 +464,31 @@ __device__ __forceinline__ void lq_group_dots(const float* qs, const float* kf, 
 // One (KV head, chunk) of the layer's attention for groups of G <= GM query heads; the head's last
 // chunk to finish combines them.
 template <int V, int GM>
-__device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int layer, int unit, const LqShared& s) {
+__device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int layer, int unit, const LqShared& s,
+                                          const unsigned* qkv_done) {
     constexpr int HD = 32 * V, NPG = LQ_THREADS / (HD / 2);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int G = a.n_head / a.n_kv, kvd = a.n_kv * HD, C = a.chunks;
     const int h = unit / C, c = unit % C, pos = __ldg(a.pos), T = pos + 1, len = (T + C - 1) / C;
     const int p0 = min(T, c * len), p1 = min(T, p0 + len), np = p1 - p0;
     const size_t col = (size_t)h * HD;
+    // The chunk's K and V rows of earlier positions were stored by earlier steps: the first npre of
+    // them are copied into shared memory (cp.async, no registers held) before the wait for this
+    // step's q, k and v; the scores and p.V read them there, later positions from global memory.
+    const int npre = min(np, LQ_KVS / (4 * HD));
+    uint16_t *kpre = s.kv, *vpre = s.kv + npre * HD;
+    for (int i = threadIdx.x; i < npre * HD / 8; i += LQ_THREADS) {
+        const int p = p0 + i / (HD / 8), off = i % (HD / 8) * 8;
+        if (p == pos) continue;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(lq_smem(kpre + (p - p0) * HD + off)),
+                     "l"(L.kc + (size_t)p * kvd + col + off) : "memory");
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(lq_smem(vpre + (p - p0) * HD + off)),
+                     "l"(L.vc + (size_t)p * kvd + col + off) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    lq_wait(qkv_done, gridDim.x);
+    auto krow = [&](int p) { return p == pos ? s.knew : p - p0 < npre ? kpre + (p - p0) * HD : L.kc + (size_t)p * kvd + col; };
+    auto vrow = [&](int p) { return p == pos ? s.vnew : p - p0 < npre ? vpre + (p - p0) * HD : L.vc + (size_t)p * kvd + col; };
     float* qraw = s.red_o;  // the raw q of the group and the new k before the rotation
     for (int i = threadIdx.x; i < G * HD; i += LQ_THREADS) qraw[i] = __ldcg(a.qkv + (size_t)h * G * HD + i);
     const bool mine = p0 <= pos && pos < p1;
@@ -472,6 +516,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         }
         for (int i = threadIdx.x; i < HD; i += LQ_THREADS) L.vc[(size_t)pos * kvd + col + i] = s.vnew[i];
     }
+    asm volatile("cp.async.wait_all;" ::: "memory");
     LQ_SYNC();
     // scores: a warp a position, LQ_KP positions' K rows loaded at once
     for (int base = p0 + warp; base < p1; base += LQ_WARPS * LQ_KP) {
@@ -479,7 +524,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
 #pragma unroll
         for (int j = 0; j < LQ_KP; ++j) {
             const int p = base + LQ_WARPS * j;
-            if (p < p1) ld_halves<V>(p == pos ? s.knew + lane * V : L.kc + (size_t)p * kvd + col + lane * V, kf[j]);
+            if (p < p1) ld_halves<V>(krow(p) + lane * V, kf[j]);
         }
 #pragma unroll
         for (int j = 0; j < LQ_KP; ++j) {
@@ -523,8 +568,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         for (int g = 0; g < GM; ++g) acc[g][0] = acc[g][1] = 0.f;
 #pragma unroll 4
         for (int p = p0 + pg; p < p1; p += NPG) {
-            const uint32_t w = p == pos ? *reinterpret_cast<const uint32_t*>(s.vnew + 2 * dt)
-                                        : *reinterpret_cast<const uint32_t*>(L.vc + (size_t)p * kvd + col + 2 * dt);
+            const uint32_t w = *reinterpret_cast<const uint32_t*>(vrow(p) + 2 * dt);
             const float v0 = ntx_h2f((uint16_t)(w & 0xffffu)), v1 = ntx_h2f((uint16_t)(w >> 16));
 #pragma unroll
             for (int g = 0; g < GM; ++g) {
@@ -556,13 +600,11 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
     }
     // the head's last chunk to arrive combines the head's chunks
     LQ_SYNC();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        s.flag[0] = atomicAdd(a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv) + LQ_NCTR + h, 1u) == (unsigned)(C - 1);
-    }
+    if (threadIdx.x == 0)
+        s.flag[0] = lq_arrive_count(a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv) + LQ_NCTR + h) == (unsigned)(C - 1);
     LQ_SYNC();
     if (!s.flag[0]) return;
-    __threadfence();
+    if (!NTX_LQ_RED) __threadfence();
     const float* hp = a.part + (size_t)h * C * per;
     float* wt = s.sc;  // the chunks' weights e^(m_c - M) / S (the scores are no longer read)
     for (int i = threadIdx.x; i < C * G; i += LQ_THREADS) {
@@ -606,6 +648,7 @@ __device__ void lq_step(const LqArgs& a) {
         s.red_o = reinterpret_cast<float*>(p); p += 4 * max(NPG * G * HD, (LQ_GMAX + 1) * HD);
         s.knew = reinterpret_cast<uint16_t*>(p); p += 2 * HD;
         s.vnew = reinterpret_cast<uint16_t*>(p); p += 2 * HD;
+        s.kv = reinterpret_cast<uint16_t*>(p); p += LQ_KVS;
         s.stat = reinterpret_cast<float*>(p); p += 4 * 2 * LQ_GMAX;
         s.part = reinterpret_cast<double*>(p); p += 8 * 32;
         s.flag = reinterpret_cast<int*>(p); p += 16;
@@ -661,14 +704,13 @@ __device__ void lq_step(const LqArgs& a) {
         lq_phase(a, 0, s, it, [&](int r, float t, float) { a.qkv[r] = t; });
         LQ_MARK(3);
         lq_signal(ctr + 0);
-        if ((int)blockIdx.x < a.n_kv * a.chunks) {
-            lq_wait(ctr + 0, P);
+        if ((int)blockIdx.x < a.n_kv * a.chunks) {  // each waits for every q/k/v row inside
             if (G <= 2)
-                lq_attention<V, 2>(a, L, layer, blockIdx.x, s);
+                lq_attention<V, 2>(a, L, layer, blockIdx.x, s, ctr + 0);
             else if (G <= 4)
-                lq_attention<V, 4>(a, L, layer, blockIdx.x, s);
+                lq_attention<V, 4>(a, L, layer, blockIdx.x, s, ctr + 0);
             else
-                lq_attention<V, LQ_GMAX>(a, L, layer, blockIdx.x, s);
+                lq_attention<V, LQ_GMAX>(a, L, layer, blockIdx.x, s, ctr + 0);
         }
         LQ_MARK(4);
         lq_wait(ctr + 1, a.n_kv);

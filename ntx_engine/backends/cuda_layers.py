@@ -23,6 +23,7 @@ SLOTS, SLOT = 4, 34832  # LQ_SLOTS, LQ_SLOT: the weight ring
 KMAX = 16384  # LQ_KMAX: the longest activation row
 ACT_BYTES = KMAX + 4 * (KMAX // 32)  # LQ_ACT: also the attention's scores
 GMAX = 8  # LQ_GMAX: query heads a KV head
+KVS = 32768  # LQ_KVS: shared memory for the attention chunk's first K and V rows
 NORM_MAX = 16 * THREADS  # LQ_NV values a thread
 NCTR = 6  # LQ_NCTR: counters a layer before the KV heads'
 TRACE_MARKS = 14  # LQ_MARKS: the trace points a layer
@@ -40,7 +41,7 @@ def stack_smem(head_dim: int, group: int) -> int:
     """Dynamic shared memory of the kernel for this head shape (lq_step's layout)."""
     npg = THREADS // (head_dim // 2)
     return (SLOTS * SLOT + ACT_BYTES + 4 * GMAX * head_dim + 4 * max(npg * group * head_dim, (GMAX + 1) * head_dim)
-            + 2 * 2 * head_dim + 4 * 2 * GMAX + 8 * 32 + 16 + 4 * PMAX
+            + 2 * 2 * head_dim + KVS + 4 * 2 * GMAX + 8 * 32 + 16 + 4 * PMAX
             + LAYER_BYTES * MAX_LAYERS + 2 * 8 * SLOTS)
 
 

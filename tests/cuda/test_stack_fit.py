@@ -64,9 +64,9 @@ def test_the_host_mirrors_the_kernels_constants():
     macro = {m: int(v) for m, v in re.findall(r"^#define (LQ_\w+) (\d+)\b", src, re.M)}
     assert {"LQ_THREADS": cl.THREADS, "LQ_SLOTS": cl.SLOTS, "LQ_SLOT": cl.SLOT, "LQ_KMAX": cl.KMAX,
             "LQ_GMAX": cl.GMAX, "LQ_NCTR": cl.NCTR, "LQ_MARKS": cl.TRACE_MARKS, "LQ_MAX_LAYERS": cl.MAX_LAYERS,
-            "LQ_PMAX": cl.PMAX, "LQ_GROUPS": cl.GROUPS, "LQ_NV": cl.NORM_MAX // cl.THREADS} == {k: macro[k] for k in (
+            "LQ_PMAX": cl.PMAX, "LQ_GROUPS": cl.GROUPS, "LQ_KVS": cl.KVS, "LQ_NV": cl.NORM_MAX // cl.THREADS} == {k: macro[k] for k in (
         "LQ_THREADS", "LQ_SLOTS", "LQ_SLOT", "LQ_KMAX", "LQ_GMAX", "LQ_NCTR", "LQ_MARKS", "LQ_MAX_LAYERS", "LQ_PMAX",
-        "LQ_GROUPS", "LQ_NV")}
+        "LQ_GROUPS", "LQ_KVS", "LQ_NV")}
     fields = re.search(r"struct LqLayer \{[^}]*\}", src).group(0)
     assert len(re.findall(r"\*\s*\w+", fields)) * 8 == cl.LAYER_BYTES == 8 * (len(cl.LAYER_FIELDS) + 2)
     assert all(f"LQ_KERNEL({hd})" in src for hd in cl.HEAD_DIMS)
