@@ -265,6 +265,9 @@ struct LqFill {
     }
 };
 
+// The dynamic shared memory: the ring's slots first, then the activation row (lq_step's layout).
+extern __shared__ __align__(128) uint8_t lq_dyn[];
+
 struct LqShared {
     LqLayer* layers;  // the layer descriptors
     uint8_t* ring;
@@ -283,12 +286,17 @@ struct LqShared {
     int* flag;  // [0] the attention's last-chunk flag
 };
 
+// Where the int8 values 4c..4c+3 of an activation row sit (bytes): each group of 8 units (32-value
+// blocks) keeps its units' first 16 bytes, then their last 16, so the 8 lanes that read 8 units'
+// halves at once (lq_row_dot) read 128 contiguous bytes: no bank conflicts.
+__device__ __forceinline__ int lq_aq_off(int c) { return (c >> 6) * 256 + (c & 4) * 32 + ((c >> 3) & 7) * 16 + (c & 3) * 4; }
+
 // Four values of a 32-value Q8_1 block (quanti_q8_1_value's values without the sum: Q8_0 weights do
 // not read it): every lane of the warp calls it, the 8 lanes 8m..8m+7 holding one block (float4
 // c of the row: values 4c..4c+3, block c / 8); only active lanes store. Warp-uniform callers only.
 __device__ __forceinline__ void lq_quant4(float4 v, bool active, int c, int8_t* aq, float* ad) {
     if (NTX_LQ_PROBE == 2) {  // the probe without the quantization's arithmetic (garbage out)
-        if (active) reinterpret_cast<char4*>(aq)[c] = make_char4(v.x > 0.f, v.y > 0.f, v.z > 0.f, v.w > 0.f);
+        if (active) *reinterpret_cast<char4*>(aq + lq_aq_off(c)) = make_char4(v.x > 0.f, v.y > 0.f, v.z > 0.f, v.w > 0.f);
         if (active && c % 8 == 0) ad[c / 8] = 1.f;
         return;
     }
@@ -298,7 +306,7 @@ __device__ __forceinline__ void lq_quant4(float4 v, bool active, int c, int8_t* 
     float d, inv;
     ntx_q8_scale(m, &d, &inv);
     if (active) {
-        reinterpret_cast<char4*>(aq)[c] = make_char4((signed char)(int)ntx_q8_q(v.x, inv), (signed char)(int)ntx_q8_q(v.y, inv),
+        *reinterpret_cast<char4*>(aq + lq_aq_off(c)) = make_char4((signed char)(int)ntx_q8_q(v.x, inv), (signed char)(int)ntx_q8_q(v.y, inv),
                                                      (signed char)(int)ntx_q8_q(v.z, inv), (signed char)(int)ntx_q8_q(v.w, inv));
         if (c % 8 == 0) ad[c / 8] = ntx_round_f16(d);
     }
@@ -372,22 +380,33 @@ __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict
 }
 
 // The dot product of one row of a slot (units 32-value blocks) with the activations by a warp's
-// lane: units pt * 32 + lane, step 32 wpr (the row's wpr warps, this one part pt).
-__device__ __forceinline__ float lq_row_dot(const uint8_t* rowp, int units, int pt, int wpr, const LqShared& s) {
+// lane: units pt * 32 + lane, step 32 wpr (the row's wpr warps, this one part pt). The row and the
+// activations are addressed from lq_dyn, so the loads are shared-memory loads (not generic ones).
+__device__ __forceinline__ float lq_row_dot(int row_off, int units, int pt, int wpr) {
     const int lane = threadIdx.x & 31;
+    const uint8_t* aq = lq_dyn + LQ_SLOTS * LQ_SLOT;
+    const float* ad = reinterpret_cast<const float*>(lq_dyn + LQ_SLOTS * LQ_SLOT + LQ_KMAX);
     float acc = 0.f;
     if (NTX_LQ_PROBE == 1) return acc;
     for (int u = pt * 32 + lane; u < units; u += 32 * wpr) {
-        const uint8_t* b = rowp + u * LQ_BQ;
-        uint32_t q[8];
-        ld8(b + 2, q);
-        const int4 xa = reinterpret_cast<const int4*>(s.aq)[2 * u], xb = reinterpret_cast<const int4*>(s.aq)[2 * u + 1];
+        // the unit's 34 bytes (fp16 scale, 32 int8) start 2-byte aligned at o: nine aligned words
+        // from o & ~3 hold them; the quants are those words shifted by 16 bits (o % 4 == 0) or not
+        const int o = row_off + u * LQ_BQ, sh = (o & 2) ? 32 : 16;
+        const uint32_t* wa = reinterpret_cast<const uint32_t*>(lq_dyn + (o & ~3));
+        uint32_t w[9], q[8];
+#pragma unroll
+        for (int i = 0; i < 9; ++i) w[i] = wa[i];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = __funnelshift_rc(w[i], w[i + 1], sh);
+        const float wd = ntx_h2f((uint16_t)(w[0] >> (sh - 16)));
+        const uint8_t* xp = aq + (u >> 3) * 256 + (u & 7) * 16;
+        const int4 xa = *reinterpret_cast<const int4*>(xp), xb = *reinterpret_cast<const int4*>(xp + 128);
         int d = 0;
         d = __dp4a((int)q[0], xa.x, d); d = __dp4a((int)q[1], xa.y, d);
         d = __dp4a((int)q[2], xa.z, d); d = __dp4a((int)q[3], xa.w, d);
         d = __dp4a((int)q[4], xb.x, d); d = __dp4a((int)q[5], xb.y, d);
         d = __dp4a((int)q[6], xb.z, d); d = __dp4a((int)q[7], xb.w, d);
-        acc += s.ad[u] * (ntx_ldh(b) * (float)d);
+        acc += ad[u] * (wd * (float)d);
     }
     return acc;
 }
@@ -411,10 +430,9 @@ __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& i
         const int n = min(min(rpc, nr - row), lq_mat_end(a, ph, r0 + row) - r0 - row);
         if ((int)(i % LQ_GROUPS) == grp) {
             const int slot = i % NTX_LQ_SLOTS;
-            const uint8_t* sp = s.ring + (size_t)slot * LQ_SLOT;
             lq_wait_bar(s.full + slot, (i / NTX_LQ_SLOTS) & 1);
             for (int j = wi / wpr; j < per * n; j += LQ_GW / wpr) {
-                const float t = warp_sum(lq_row_dot(sp + (size_t)j * rb, units, pt, wpr, s));
+                const float t = warp_sum(lq_row_dot(slot * LQ_SLOT + j * rb, units, pt, wpr));
                 const int r = j < n ? row + j : nr + row + j - n;  // up rows after the gate rows
                 if (lane == 0) s.pr[r * wpr + pt] = t;
             }
@@ -633,12 +651,11 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
 
 template <int V>
 __device__ void lq_step(const LqArgs& a) {
-    extern __shared__ __align__(128) uint8_t smem[];
     constexpr int HD = 32 * V, NPG = LQ_THREADS / (HD / 2);
     const int G = a.n_head / a.n_kv;
     __shared__ LqShared s;  // shared: the helpers take it by reference
     if (threadIdx.x == 0) {
-        uint8_t* p = smem;
+        uint8_t* p = lq_dyn;
         s.ring = p; p += LQ_SLOTS * LQ_SLOT;
         s.aq = reinterpret_cast<int8_t*>(p);
         s.ad = reinterpret_cast<float*>(p + LQ_KMAX);
