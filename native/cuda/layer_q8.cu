@@ -148,6 +148,12 @@ __device__ __forceinline__ void lq_wait_bar(uint64_t* bar, unsigned parity) {
         if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();
 }
 
+// NTX_LQ_HOLD (bit ph): the producer issues the first chunk of phase ph only once the consumers have
+// passed the grid-wide wait before that phase, so the grid's waits are not queued behind a burst of
+// bulk copies (the chunks then stream during the norm or the quantization after the wait)
+#ifndef NTX_LQ_HOLD
+#define NTX_LQ_HOLD 5
+#endif
 // NTX_LQ_RED: the blocks signal with a release reduction (1) or a sequentially consistent fence and an
 // atomic add (0)
 #ifndef NTX_LQ_RED
@@ -167,6 +173,12 @@ __device__ __forceinline__ void lq_signal(unsigned* c) {
 #endif
     }
 }
+
+// The consumers have passed the grid's wait before phase q (4 layer + phase): the producer may issue it.
+__device__ __forceinline__ void lq_release_flag(int* flag, int q) {
+    if (NTX_LQ_HOLD && threadIdx.x == 0) *reinterpret_cast<volatile int*>(flag) = q;
+}
+#define lq_release(s, q) lq_release_flag((s).flag + 1, (q))
 
 // Thread 0's release add returning the count before it, with acquire (the last of a head's chunks
 // reads the others' partials after it, past the consumers' barrier).
@@ -283,7 +295,7 @@ struct LqShared {
     float* pr;     // [LQ_PMAX] a phase's row parts (gate/up: the gate rows', then the up rows')
     double* part;  // the norm's warp totals
     float* stat;   // [2][LQ_GMAX] chunk max and sum
-    int* flag;  // [0] the attention's last-chunk flag
+    int* flag;  // [0] the attention's last-chunk flag, [1] the phases released to the producer
 };
 
 // Where the int8 values 4c..4c+3 of an activation row sit (bytes): each group of 8 units (32-value
@@ -334,7 +346,7 @@ __device__ __noinline__ void lq_quant_row(const float* x, int k, const LqShared&
 // into xq / xd (global), the blocks meet at *done, and each copies the whole row into aq / ad. For a
 // long row (the down projection's 14336 values) that is cheaper than every block quantizing it all.
 __device__ __noinline__ void lq_quant_share(const float* x, int k, int8_t* xq, float* xd, unsigned* done,
-                                            const LqShared& s) {
+                                            const LqShared& s, int q) {
     const int nsb = k / 32;
     const int c0 = 8 * (int)((unsigned)blockIdx.x * (unsigned)nsb / gridDim.x);
     const int c1 = 8 * (int)((unsigned)(blockIdx.x + 1) * (unsigned)nsb / gridDim.x);
@@ -342,6 +354,7 @@ __device__ __noinline__ void lq_quant_share(const float* x, int k, int8_t* xq, f
         lq_quant4(lq_f4(x, c, c < c1), c < c1, c, xq, xd);
     lq_signal(done);
     lq_wait(done, gridDim.x);
+    lq_release(s, q);  // the grid has met: the producer may fetch the next phase
     for (int i = threadIdx.x; i < k / 16; i += LQ_THREADS)
         reinterpret_cast<int4*>(s.aq)[i] = __ldcg(reinterpret_cast<const int4*>(xq) + i);
     for (int i = threadIdx.x; i < nsb; i += LQ_THREADS) s.ad[i] = __ldcg(xd + i);
@@ -683,6 +696,7 @@ __device__ void lq_step(const LqArgs& a) {
             asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(lq_smem(s.empty + i)), "n"(LQ_GW) : "memory");
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        s.flag[1] = 0;  // the phases released to the producer (NTX_LQ_HOLD): 4 layer + phase
     }
     __syncthreads();
     if (threadIdx.x >= LQ_THREADS) {  // the producer warp: the block's chunks in order, a slot as soon as it is read
@@ -692,6 +706,15 @@ __device__ void lq_step(const LqArgs& a) {
             for (unsigned i = 0; f.layer < a.n_layers; ++i) {
                 const int slot = i % NTX_LQ_SLOTS;
                 if (i >= NTX_LQ_SLOTS) lq_wait_bar(s.empty + slot, (i / NTX_LQ_SLOTS - 1) & 1);
+                if ((NTX_LQ_HOLD >> f.ph) & 1) {
+                    const int q = 4 * f.layer + f.ph;
+                    const volatile int* rel = s.flag + 1;
+                    if (*rel < q) {
+                        const unsigned long long t0 = global_ns();
+                        while (*rel < q)
+                            if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();
+                    }
+                }
                 f.issue(a, s.layers, s.ring + (size_t)slot * LQ_SLOT, s.full + slot);
             }
         }
@@ -715,6 +738,7 @@ __device__ void lq_step(const LqArgs& a) {
         const float* xin = layer == 0 ? a.x0 : a.xb;
         LQ_MARK(0);
         if (layer > 0) lq_wait(ctr - (LQ_NCTR + a.n_kv) + 4, P);
+        lq_release(s, 4 * layer + 0);
         LQ_MARK(1);
         lq_norm_row(xin, L.attn_norm, a.D, a.eps, s);
         LQ_MARK(2);
@@ -731,6 +755,7 @@ __device__ void lq_step(const LqArgs& a) {
         }
         LQ_MARK(4);
         lq_wait(ctr + 1, a.n_kv);
+        lq_release(s, 4 * layer + 1);
         LQ_MARK(5);
         lq_quant_row(a.att, a.D, s);
         LQ_MARK(6);
@@ -738,6 +763,7 @@ __device__ void lq_step(const LqArgs& a) {
         LQ_MARK(7);
         lq_signal(ctr + 2);
         lq_wait(ctr + 2, P);
+        lq_release(s, 4 * layer + 2);
         LQ_MARK(8);
         lq_norm_row(a.xa, L.ffn_norm, a.D, a.eps, s);
         LQ_MARK(9);
@@ -746,7 +772,7 @@ __device__ void lq_step(const LqArgs& a) {
         lq_signal(ctr + 3);
         lq_wait(ctr + 3, P);
         LQ_MARK(11);
-        lq_quant_share(a.hid, a.F, a.hq, a.hqd, ctr + 5, s);
+        lq_quant_share(a.hid, a.F, a.hq, a.hqd, ctr + 5, s, 4 * layer + 3);
         LQ_MARK(12);
         lq_residual_phase(a, 3, s, it, a.xa, a.xb);
         LQ_MARK(13);
