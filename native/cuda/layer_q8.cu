@@ -149,10 +149,11 @@ __device__ __forceinline__ void lq_wait_bar(uint64_t* bar, unsigned parity) {
 }
 
 // NTX_LQ_HOLD (bit ph): the producer issues the first chunk of phase ph only once the consumers have
-// passed the grid-wide wait before that phase, so the grid's waits are not queued behind a burst of
-// bulk copies (the chunks then stream during the norm or the quantization after the wait)
+// passed the grid-wide wait before that phase (o rows: the attention's wait for q/k/v), so those
+// waits are not queued behind a burst of bulk copies; the chunks then stream during the norm or the
+// attention after the wait. The down rows are not held: their first chunks would then come too late.
 #ifndef NTX_LQ_HOLD
-#define NTX_LQ_HOLD 5
+#define NTX_LQ_HOLD 7
 #endif
 // NTX_LQ_RED: the blocks signal with a release reduction (1) or a sequentially consistent fence and an
 // atomic add (0)
@@ -518,6 +519,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     lq_wait(qkv_done, gridDim.x);
+    lq_release(s, 4 * layer + 1);  // the o rows' chunks may stream from here (NTX_LQ_HOLD bit 1)
     auto krow = [&](int p) { return p == pos ? s.knew : p - p0 < npre ? kpre + (p - p0) * HD : L.kc + (size_t)p * kvd + col; };
     auto vrow = [&](int p) { return p == pos ? s.vnew : p - p0 < npre ? vpre + (p - p0) * HD : L.vc + (size_t)p * kvd + col; };
     float* qraw = s.red_o;  // the raw q of the group and the new k before the rotation
@@ -754,8 +756,8 @@ __device__ void lq_step(const LqArgs& a) {
                 lq_attention<V, LQ_GMAX>(a, L, layer, blockIdx.x, s, ctr + 0);
         }
         LQ_MARK(4);
+        if ((int)blockIdx.x >= a.n_kv * a.chunks) lq_release(s, 4 * layer + 1);
         lq_wait(ctr + 1, a.n_kv);
-        lq_release(s, 4 * layer + 1);
         LQ_MARK(5);
         lq_quant_row(a.att, a.D, s);
         LQ_MARK(6);
