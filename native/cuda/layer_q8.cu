@@ -6,10 +6,11 @@
 // rows, and a ring of shared-memory slots (LQ_SLOTS x LQ_SLOT bytes) is kept filled with the
 // block's next weight rows by bulk copies (cp.async.bulk on a "full" mbarrier a slot), in the order
 // the block will multiply them, across matrices and layers. The copies are issued by a producer
-// warp of their own, which refills a slot as soon as the consumers (16 warps, the arithmetic)
-// arrive on its "empty" mbarrier, so no consumer ever waits for a copy to be issued. A weight
-// never depends on the token, so the ring streams during the norms, the attention and the waits
-// between the ops: when one ends, the next matrix's first ~175 KB an SM are already on chip.
+// warp of their own, which refills a slot as soon as the consumers (16 warps in two groups taking
+// alternate slots, the arithmetic) arrive on its "empty" mbarrier, so no consumer ever waits for a
+// copy to be issued. A weight never depends on the token, so the ring streams during the norms, the
+// attention and the waits between the ops: when one ends, the next matrix's first ~139 KB an SM are
+// already on chip (NTX_LQ_HOLD: except while the grid meets before a phase, see lq_release).
 //
 // A layer: (1) every block forms the RMSNorm of the residual and its Q8_1 quantization in its own
 // shared memory (the same values in every block); (2) q/k/v rows; (3) attention, one block a
@@ -18,8 +19,9 @@
 // (flash-decoding: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c); (4) every block quantizes
 // the attention output and multiplies its o rows, adding the residual; (5) the second norm;
 // (6) gate/up rows, silu(g) * u; (7) each block quantizes a slice of that, every block copies the
-// whole quantized row and multiplies its down rows, adding the residual. Between the steps a block waits on a counter in global memory that the
-// producing blocks increment (release) after their stores; nothing else synchronizes the grid.
+// whole quantized row and multiplies its down rows, adding the residual. Between the steps a block
+// waits on a counter in global memory that the producing blocks increment (release) after their
+// stores; nothing else synchronizes the grid.
 // The counters are zeroed before each launch (cuda_layers.StackDecode).
 //
 // Rounding: the matvec units are FastQ8_0's (fp16 weight scale times the int dot, times the
@@ -35,7 +37,6 @@
 #include "warp.cuh"
 #include "rmsnorm.cuh"
 #include "act_quant.cuh"
-#include "fast_units.cuh"  // ld8
 #include "attn_common.cuh"
 #include "ops.cuh"
 
@@ -55,7 +56,7 @@
 // A group reuses only its own slots: with another group's chunk last in a slot, a group running ahead
 // could find that slot's "full" phase parity already flipped by a copy two rounds back and read it early.
 static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ring's slots per group");
-#define LQ_SLOT 34832      // bytes a ring slot (16 of them padding: ld8 reads a ninth word)
+#define LQ_SLOT 34832      // bytes a ring slot (16 of them padding: a unit is read as nine aligned words)
 #define LQ_KMAX 16384      // the longest activation row (int8 values in shared memory)
 #define LQ_ACT (LQ_KMAX + 4 * (LQ_KMAX / 32))  // Q8_1 values and scales; the attention's scores alias it
 #define LQ_NV 16           // norm values a thread (rows of at most LQ_NV * LQ_THREADS)
