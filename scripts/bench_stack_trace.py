@@ -11,7 +11,6 @@ import sys
 
 import numpy as np
 from ntx_engine.backends.cuda_backend import CudaBackend
-from ntx_engine.backends.cuda_driver import download
 from ntx_engine.backends.cuda_layers import TRACE_MARKS
 from ntx_engine.config import ModelConfig
 from ntx_engine.gguf import GGUFFile
@@ -29,13 +28,13 @@ m = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 1024)
 m.forward(np.random.default_rng(0).integers(0, cfg.vocab_size, npr), 0)
 for i in range(3):
     m.forward(np.asarray([1]), npr + i)
-st = b._stack[1] if b._stack else None
+st = b.stack
 if st is None:
     sys.exit(f"the stack decode does not run this model: {b.stack_why_not}")
-st.trace = b._new(cfg.n_layers * TRACE_MARKS * st.blocks, dtype=np.uint64)
+st.start_trace()
 for i in range(3):
     m.forward(np.asarray([1]), npr + 3 + i)
-t = download(st.trace, b.stream).reshape(cfg.n_layers, TRACE_MARKS, st.blocks).astype(np.int64)
+t = st.read_trace().astype(np.int64)
 L = slice(1, cfg.n_layers - 1)
 base = t[:, 0, :].min(axis=1)[:, None]
 print(f"layer period {np.diff(t[:, 0, :].min(axis=1))[L].mean() / 1e3:.2f} us; step {(t[-1, -1].max() - t[0, 0].min()) / 1e3:.1f} us")

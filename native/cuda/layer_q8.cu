@@ -210,9 +210,12 @@ __device__ __forceinline__ double lq_block_total(double v, double* part) {
     return ntx_warps_total(v, part, LQ_WARPS, [] { LQ_SYNC(); });
 }
 
+// The K (and V) rows of a layer: n_kv heads of D / n_head values.
+__device__ __forceinline__ int lq_kvd(const LqArgs& a) { return a.n_kv * (a.D / a.n_head); }
+
 // Phases of a layer: 0 q|k|v rows, 1 o rows, 2 gate/up row pairs, 3 down rows.
 __device__ __forceinline__ int lq_rows(const LqArgs& a, int ph) {
-    const int kvd = a.n_kv * (a.D / a.n_head);
+    const int kvd = lq_kvd(a);
     return ph == 0 ? a.D + 2 * kvd : ph == 2 ? a.F : a.D;
 }
 __device__ __forceinline__ int lq_row_bytes(const LqArgs& a, int ph) { return (ph == 3 ? a.F : a.D) / 32 * LQ_BQ; }
@@ -230,11 +233,11 @@ __device__ __forceinline__ int lq_r0(const LqArgs& a, int ph, int b) {
 // Where the matrix holding row `row` of phase ph ends (q, k and v are three matrices).
 __device__ __forceinline__ int lq_mat_end(const LqArgs& a, int ph, int row) {
     if (ph != 0) return lq_rows(a, ph);
-    const int kvd = a.n_kv * (a.D / a.n_head);
+    const int kvd = lq_kvd(a);
     return row < a.D ? a.D : row < a.D + kvd ? a.D + kvd : a.D + 2 * kvd;
 }
 __device__ __forceinline__ const uint8_t* lq_src(const LqLayer& L, const LqArgs& a, int ph, int row, int rb) {
-    const int kvd = a.n_kv * (a.D / a.n_head);
+    const int kvd = lq_kvd(a);
     if (ph == 0) {
         if (row < a.D) return L.wq + (size_t)row * rb;
         if (row < a.D + kvd) return L.wk + (size_t)(row - a.D) * rb;

@@ -504,6 +504,11 @@ class CudaBackend:
         return self._stack[1].run(x)
 
     @property
+    def stack(self):
+        """The model's stack decode (cuda_layers.StackDecode) once decode_stack has run it, else None."""
+        return None if self._stack is None else self._stack[1]
+
+    @property
     def stack_why_not(self) -> str | None:
         """Why the last decode_stack call fell back to the layer-by-layer kernels (None: it did not)."""
         return None if self._stack is None else self._stack[2]

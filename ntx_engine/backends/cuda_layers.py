@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ntx_engine.backends.cuda_driver import DeviceArray, check, driver, upload
+from ntx_engine.backends.cuda_driver import DeviceArray, check, download, driver, upload
 from ntx_engine.config import ROPE_NEOX, ModelConfig
 from ntx_engine.quants import GGMLType
 
@@ -123,9 +123,19 @@ class StackDecode:
 
             raise CudaError(f"{self.kernel} does not fit an SM ({self.smem} bytes of shared memory, {BLOCK} threads)")
         self.blocks = b.device.sm_count
-        # a benchmark's tool: a (n_layers, TRACE_MARKS, blocks) uint64 device array that each block's
-        # thread 0 fills with the GPU clock (ns) at the kernel's LQ_MARK points; None: off
+        # a benchmark's tool (start_trace): a (n_layers, TRACE_MARKS, blocks) uint64 device array that
+        # each block's thread 0 fills with the GPU clock (ns) at the kernel's LQ_MARK points; None: off
         self.trace: DeviceArray | None = None
+
+    def start_trace(self) -> None:
+        """Have the next launches record every block's clock at the kernel's trace points (read_trace)."""
+        self.trace = self.b._new(self.n_layers * TRACE_MARKS * self.blocks, dtype=np.uint64)
+
+    def read_trace(self) -> np.ndarray:
+        """The last launch's clock marks (ns), shaped (layers, TRACE_MARKS, blocks); start_trace first."""
+        if self.trace is None:
+            raise RuntimeError("the stack decode records no trace: call start_trace() before the launch")
+        return download(self.trace, self.b.stream).reshape(self.n_layers, TRACE_MARKS, self.blocks)
 
     def run(self, x: DeviceArray) -> DeviceArray:
         """The residual after every layer for the one token x (1, n_embd) at the staged position."""
