@@ -43,6 +43,7 @@ def test_llama3_8b_q8_0_fits_the_h200():
     (dict(cfg=_cfg(n_ff=14000)), "n_ff 14000"),
     (dict(cfg=_cfg(n_ff=28672)), "n_ff 28672"),
     (dict(layers=_layers(n=97)), "97 layers"),
+    (dict(sm_count=8), "3584 row parts an SM"),  # 1792 gate/up pairs a block: more parts than LQ_PMAX
     (dict(n_ctx=1 << 20), "n_ctx 1048576 is too long"),
     (dict(smem_optin=166912), "shared memory"),
 ])
