@@ -59,6 +59,7 @@ static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ri
 #define LQ_SLOT 34832      // bytes a ring slot (16 of them padding: a unit is read as nine aligned words)
 #define LQ_KMAX 16384      // the longest activation row (int8 values in shared memory)
 #define LQ_ACT (LQ_KMAX + 4 * (LQ_KMAX / 32))  // Q8_1 values and scales; the attention's scores alias it
+#define LQ_ACT_OFF (LQ_SLOTS * LQ_SLOT)  // where the activations start in the dynamic shared memory (after the ring)
 #define LQ_NV 16           // norm values a thread (rows of at most LQ_NV * LQ_THREADS)
 #define LQ_GMAX 8          // query heads a KV head
 #define LQ_DEADLINE_NS 2000000000ull
@@ -156,43 +157,19 @@ __device__ __forceinline__ void lq_wait_bar(uint64_t* bar, unsigned parity) {
 #ifndef NTX_LQ_HOLD
 #define NTX_LQ_HOLD 7
 #endif
-// NTX_LQ_RED: the blocks signal with a release reduction (1) or a sequentially consistent fence and an
-// atomic add (0)
-#ifndef NTX_LQ_RED
-#define NTX_LQ_RED 1
-#endif
-
 // The block's stores before it are visible to the blocks that wait for *c after it: the barrier orders
 // the consumers' stores before thread 0's release (cumulative), which lq_wait's acquire pairs with.
 __device__ __forceinline__ void lq_signal(unsigned* c) {
     LQ_SYNC();
-    if (threadIdx.x == 0) {
-#if NTX_LQ_RED
-        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
-#else
-        __threadfence();
-        atomicAdd(c, 1u);
-#endif
-    }
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
 }
-
-// The consumers have passed the grid's wait before phase q (4 layer + phase): the producer may issue it.
-__device__ __forceinline__ void lq_release_flag(int* flag, int q) {
-    if (NTX_LQ_HOLD && threadIdx.x == 0) *reinterpret_cast<volatile int*>(flag) = q;
-}
-#define lq_release(s, q) lq_release_flag((s).flag + 1, (q))
 
 // Thread 0's release add returning the count before it, with acquire (the last of a head's chunks
 // reads the others' partials after it, past the consumers' barrier).
 __device__ __forceinline__ unsigned lq_arrive_count(unsigned* c) {
-#if NTX_LQ_RED
     unsigned v;
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(c) : "memory");
     return v;
-#else
-    __threadfence();
-    return atomicAdd(c, 1u);
-#endif
 }
 
 __device__ __forceinline__ void lq_wait(const unsigned* c, unsigned target) {
@@ -303,6 +280,11 @@ struct LqShared {
     int* flag;  // [0] the attention's last-chunk flag, [1] the phases released to the producer
 };
 
+// The consumers have passed the grid's wait before phase q (4 layer + phase): the producer may issue it.
+__device__ __forceinline__ void lq_release(const LqShared& s, int q) {
+    if (NTX_LQ_HOLD && threadIdx.x == 0) *reinterpret_cast<volatile int*>(s.flag + 1) = q;
+}
+
 // Where the int8 values 4c..4c+3 of an activation row sit (bytes): each group of 8 units (32-value
 // blocks) keeps its units' first 16 bytes, then their last 16, so the 8 lanes that read 8 units'
 // halves at once (lq_row_dot) read 128 contiguous bytes: no bank conflicts.
@@ -402,8 +384,8 @@ __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict
 // activations are addressed from lq_dyn, so the loads are shared-memory loads (not generic ones).
 __device__ __forceinline__ float lq_row_dot(int row_off, int units, int pt, int wpr) {
     const int lane = threadIdx.x & 31;
-    const uint8_t* aq = lq_dyn + LQ_SLOTS * LQ_SLOT;
-    const float* ad = reinterpret_cast<const float*>(lq_dyn + LQ_SLOTS * LQ_SLOT + LQ_KMAX);
+    const uint8_t* aq = lq_dyn + LQ_ACT_OFF;
+    const float* ad = reinterpret_cast<const float*>(lq_dyn + LQ_ACT_OFF + LQ_KMAX);
     float acc = 0.f;
     if (NTX_LQ_PROBE == 1) return acc;
     for (int u = pt * 32 + lane; u < units; u += 32 * wpr) {
@@ -641,7 +623,6 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         s.flag[0] = lq_arrive_count(a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv) + LQ_NCTR + h) == (unsigned)(C - 1);
     LQ_SYNC();
     if (!s.flag[0]) return;
-    if (!NTX_LQ_RED) __threadfence();
     const float* hp = a.part + (size_t)h * C * per;
     float* wt = s.sc;  // the chunks' weights e^(m_c - M) / S (the scores are no longer read)
     for (int i = threadIdx.x; i < C * G; i += LQ_THREADS) {
@@ -675,7 +656,7 @@ __device__ void lq_step(const LqArgs& a) {
     __shared__ LqShared s;  // shared: the helpers take it by reference
     if (threadIdx.x == 0) {
         uint8_t* p = lq_dyn;
-        s.ring = p; p += LQ_SLOTS * LQ_SLOT;
+        s.ring = p; p += LQ_ACT_OFF;
         s.aq = reinterpret_cast<int8_t*>(p);
         s.ad = reinterpret_cast<float*>(p + LQ_KMAX);
         s.sc = reinterpret_cast<float*>(p);
