@@ -66,12 +66,25 @@ static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ri
 #define LQ_NCTR 6          // counters a layer before the KV heads' chunk counters
 #define LQ_BQ 34           // bytes of a Q8_0 block
 #define LQ_MARKS 14        // trace points a layer
-#define LQ_KP 4            // K rows a warp loads at once
 #define LQ_KVS 32768       // bytes of shared memory for the attention chunk's first K and V rows
 // NTX_LQ_PROBE (a benchmark's probe, default 0): 1 leaves the rows' arithmetic out, 2 the activation
-// quantization's, 3 the weight copies (the producer marks a slot full without filling it; garbage out)
+// quantization's, 3 the weight copies (the producer marks a slot full without filling it), 4 the attention
+// chunk's scores, softmax and p.V, 5 the chunks' combine (garbage out)
 #ifndef NTX_LQ_PROBE
 #define NTX_LQ_PROBE 0
+#endif
+// NTX_LQ_ATRACE (a benchmark's probe, default 0): marks 4..11 inside the attention instead of the later stages
+#ifndef NTX_LQ_ATRACE
+#define NTX_LQ_ATRACE 0
+#endif
+#define LQ_TMARK(layer, k)                                                                              \
+    do {                                                                                                \
+        if (a.trace != nullptr && threadIdx.x == 0)                                                     \
+            a.trace[((size_t)(layer) * LQ_MARKS + (k)) * gridDim.x + blockIdx.x] = NTX_LQ_CLK ? clock64() : global_ns(); \
+    } while (0)
+#define LQ_AMARK(k) do { if (NTX_LQ_ATRACE) LQ_TMARK(layer, k); } while (0)
+#ifndef NTX_LQ_CLK  // the trace in SM clock cycles instead of ns (a benchmark's probe)
+#define NTX_LQ_CLK 0
 #endif
 #ifndef NTX_LQ_EVICT_FIRST
 #define NTX_LQ_EVICT_FIRST 1
@@ -161,24 +174,47 @@ __device__ __forceinline__ void lq_wait_bar(uint64_t* bar, unsigned parity) {
 // the consumers' stores before thread 0's release (cumulative), which lq_wait's acquire pairs with.
 __device__ __forceinline__ void lq_signal(unsigned* c) {
     LQ_SYNC();
+#if NTX_LQ_PROBE == 6  // the probe with relaxed signals (no release: stale data possible, garbage out)
+    if (threadIdx.x == 0) asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
+#else
     if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
+#endif
 }
 
 // Thread 0's release add returning the count before it, with acquire (the last of a head's chunks
 // reads the others' partials after it, past the consumers' barrier).
 __device__ __forceinline__ unsigned lq_arrive_count(unsigned* c) {
     unsigned v;
+#if NTX_LQ_PROBE == 6
+    asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(c) : "memory");
+#else
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(c) : "memory");
+#endif
+    return v;
+}
+
+__device__ __forceinline__ unsigned lq_ld_relaxed(const unsigned* c) {
+    unsigned v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
     return v;
 }
 
 __device__ __forceinline__ void lq_wait(const unsigned* c, unsigned target) {
+#if NTX_LQ_PROBE == 6
+    if (threadIdx.x == 0 && lq_ld_relaxed(c) < target) {
+        const unsigned long long t0 = global_ns();
+        while (lq_ld_relaxed(c) < target) {
+            if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();
+        }
+    }
+#else
     if (threadIdx.x == 0 && ld_acquire(c) < target) {
         const unsigned long long t0 = global_ns();
         while (ld_acquire(c) < target) {
             if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();  // a block that never came: fail, not hang
         }
     }
+#endif
     LQ_SYNC();
 }
 
@@ -274,9 +310,10 @@ struct LqShared {
     uint16_t *knew, *vnew;
     uint16_t* kv;  // [LQ_KVS / 2] the chunk's first K rows, then as many V rows
     float* red_o;  // the p.V sums of the position groups
-    float* pr;     // [LQ_PMAX] a phase's row parts (gate/up: the gate rows', then the up rows')
+    float* pr;     // [LQ_PMAX] a phase's row parts (gate/up: the gate rows', then the up rows'); the
+                   // attention's exp sums of the position groups
     double* part;  // the norm's warp totals
-    float* stat;   // [2][LQ_GMAX] chunk max and sum
+    float* stat;   // [2][LQ_GMAX] the attention's running maxima (order-preserving ints)
     int* flag;  // [0] the attention's last-chunk flag, [1] the phases released to the producer
 };
 
@@ -329,6 +366,14 @@ __device__ __noinline__ void lq_quant_row(const float* x, int k, const LqShared&
     LQ_SYNC();
 }
 
+// A Q8_1 row another block quantized (xq in lq_aq_off's layout, xd its scales) copied into aq / ad.
+__device__ __forceinline__ void lq_load_act(const int8_t* xq, const float* xd, int k, const LqShared& s) {
+    for (int i = threadIdx.x; i < k / 16; i += LQ_THREADS)
+        reinterpret_cast<int4*>(s.aq)[i] = __ldcg(reinterpret_cast<const int4*>(xq) + i);
+    for (int i = threadIdx.x; i < k / 32; i += LQ_THREADS) s.ad[i] = __ldcg(xd + i);
+    LQ_SYNC();
+}
+
 // x (k values) quantized once over the grid: block b quantizes its share of the 32-value blocks
 // into xq / xd (global), the blocks meet at *done, and each copies the whole row into aq / ad. For a
 // long row (the down projection's 14336 values) that is cheaper than every block quantizing it all.
@@ -342,10 +387,7 @@ __device__ __noinline__ void lq_quant_share(const float* x, int k, int8_t* xq, f
     lq_signal(done);
     lq_wait(done, gridDim.x);
     lq_release(s, q);  // the grid has met: the producer may fetch the next phase
-    for (int i = threadIdx.x; i < k / 16; i += LQ_THREADS)
-        reinterpret_cast<int4*>(s.aq)[i] = __ldcg(reinterpret_cast<const int4*>(xq) + i);
-    for (int i = threadIdx.x; i < nsb; i += LQ_THREADS) s.ad[i] = __ldcg(xd + i);
-    LQ_SYNC();
+    lq_load_act(xq, xd, k, s);
 }
 
 // rmsnorm(x) * w (rmsnorm.cuh's rounding; the squares summed in another order) quantized into aq /
@@ -462,30 +504,12 @@ __device__ void lq_residual_phase(const LqArgs& a, int ph, const LqShared& s, un
     lq_phase(a, ph, s, it, [&](int r, float t, float) { y[r] = __fadd_rn(rv, t); });
 }
 
-// The scores of one K row for the GM query heads of a group (group_dots without its per-head
-// exits: GM >= G sums side by side, the ones past G unused), so the butterflies are straight code.
-template <int V, int GM>
-__device__ __forceinline__ void lq_group_dots(const float* qs, const float* kf, int lane, float* sg) {
-#pragma unroll
-    for (int g = 0; g < GM; ++g) {
-        const float* qh = qs + g * 32 * V + lane * V;
-        sg[g] = 0.f;
-#pragma unroll
-        for (int i = 0; i < V; ++i) sg[g] += qh[i] * kf[i];
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-        for (int g = 0; g < GM; ++g) sg[g] += __shfl_xor_sync(0xffffffffu, sg[g], o);
-}
-
 // One (KV head, chunk) of the layer's attention for groups of G <= GM query heads; the head's last
 // chunk to finish combines them.
 template <int V, int GM>
 __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int layer, int unit, const LqShared& s,
                                           const unsigned* qkv_done) {
     constexpr int HD = 32 * V, NPG = LQ_THREADS / (HD / 2);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int G = a.n_head / a.n_kv, kvd = a.n_kv * HD, C = a.chunks;
     const int h = unit / C, c = unit % C, pos = __ldg(a.pos), T = pos + 1, len = (T + C - 1) / C;
     const int p0 = min(T, c * len), p1 = min(T, p0 + len), np = p1 - p0;
@@ -506,85 +530,89 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
     asm volatile("cp.async.commit_group;" ::: "memory");
     lq_wait(qkv_done, gridDim.x);
     lq_release(s, 4 * layer + 1);  // the o rows' chunks may stream from here (NTX_LQ_HOLD bit 1)
+    LQ_AMARK(4);
     auto krow = [&](int p) { return p == pos ? s.knew : p - p0 < npre ? kpre + (p - p0) * HD : L.kc + (size_t)p * kvd + col; };
     auto vrow = [&](int p) { return p == pos ? s.vnew : p - p0 < npre ? vpre + (p - p0) * HD : L.vc + (size_t)p * kvd + col; };
-    float* qraw = s.red_o;  // the raw q of the group and the new k before the rotation
-    for (int i = threadIdx.x; i < G * HD; i += LQ_THREADS) qraw[i] = __ldcg(a.qkv + (size_t)h * G * HD + i);
+    // q of the group and the new k rotated straight from the q/k/v row (thread i: pair i of the
+    // group's q, then of the new k), the new V row stored; the running max of each head's scores
+    // (s.stat as order-preserving ints) starts at the least
     const bool mine = p0 <= pos && pos < p1;
-    if (mine)
-        for (int i = threadIdx.x; i < HD; i += LQ_THREADS) {
-            qraw[G * HD + i] = __ldcg(a.qkv + a.D + col + i);
-            s.vnew[i] = ntx_f2h(__ldcg(a.qkv + a.D + kvd + col + i));
-        }
-    LQ_SYNC();
-    for (int i = threadIdx.x; i < G * HD / 2; i += LQ_THREADS) {
-        int ia, ib;
-        float o0, o1;
-        ntx_rope_pair(qraw, i, HD, a.rope_dim, pos, a.rope_ff, a.rope_scale, a.freq_scale, a.neox, &ia, &ib, &o0, &o1);
-        s.qa[ia] = ntx_round_f16(o0);
-        s.qa[ib] = ntx_round_f16(o1);
-    }
-    if (mine) {
-        for (int i = threadIdx.x; i < HD / 2; i += LQ_THREADS) {
+    int* mx = reinterpret_cast<int*>(s.stat);
+    if (threadIdx.x < G) mx[threadIdx.x] = -2147483647 - 1;  // below every encoded score
+    {
+        const int nq = G * HD / 2;
+        for (int i = threadIdx.x; i < nq + (mine ? HD / 2 : 0); i += LQ_THREADS) {
+            const bool isk = i >= nq;
+            const int j = isk ? i - nq : i, hh = j / (HD / 2), pi = j % (HD / 2);
+            const float* x = isk ? a.qkv + a.D + col : a.qkv + (size_t)(h * G + hh) * HD;
             int ia, ib;
-            float o0, o1;
-            ntx_rope_pair(qraw + G * HD, i, HD, a.rope_dim, pos, a.rope_ff, a.rope_scale, a.freq_scale, a.neox, &ia,
-                          &ib, &o0, &o1);
-            s.knew[ia] = L.kc[(size_t)pos * kvd + col + ia] = ntx_f2h(o0);
-            s.knew[ib] = L.kc[(size_t)pos * kvd + col + ib] = ntx_f2h(o1);
+            const bool rot = ntx_rope_offsets(pi, a.rope_dim, a.neox, &ia, &ib);
+            float o0 = __ldcg(x + ia), o1 = __ldcg(x + ib);
+            if (rot) ntx_rope_rotate(o0, o1, pi, pos, a.rope_ff, a.rope_scale, a.freq_scale, &o0, &o1);
+            if (isk) {
+                s.knew[ia] = L.kc[(size_t)pos * kvd + col + ia] = ntx_f2h(o0);
+                s.knew[ib] = L.kc[(size_t)pos * kvd + col + ib] = ntx_f2h(o1);
+            } else {
+                s.qa[hh * HD + ia] = ntx_round_f16(o0);
+                s.qa[hh * HD + ib] = ntx_round_f16(o1);
+            }
         }
-        for (int i = threadIdx.x; i < HD; i += LQ_THREADS) L.vc[(size_t)pos * kvd + col + i] = s.vnew[i];
+        if (mine)
+            for (int i = threadIdx.x; i < HD; i += LQ_THREADS)
+                s.vnew[i] = L.vc[(size_t)pos * kvd + col + i] = ntx_f2h(__ldcg(a.qkv + a.D + kvd + col + i));
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
     LQ_SYNC();
-    // scores: a warp a position, LQ_KP positions' K rows loaded at once
-    for (int base = p0 + warp; base < p1; base += LQ_WARPS * LQ_KP) {
-        float kf[LQ_KP][V];
+    LQ_AMARK(6);
+    // scores: 4 lanes a (position, head) dot product, HD / 4 values each; the heads' maxima by
+    // shared atomics on order-preserving ints (exact in any order)
+    {
+        constexpr int TL = 4;
+        const int team = threadIdx.x / TL, tl = threadIdx.x % TL;
+        for (int b = 0; b < np * G; b += LQ_THREADS / TL) {
+            const int pr = b + team, pi = pr / G, g = pr % G;
+            float acc = 0.f;
+            if (pr < np * G) {
+                const int p = p0 + pi;
+                // lane tl takes dims 16 m + 4 tl .. + 3, head g starting at step g: the 16 (head, lane)
+                // float4s of q a load reads fall in two halves of the banks, not one quarter
+                const uint16_t* kr = krow(p) + 4 * tl;
+                const float* qg = s.qa + g * HD + 4 * tl;
 #pragma unroll
-        for (int j = 0; j < LQ_KP; ++j) {
-            const int p = base + LQ_WARPS * j;
-            if (p < p1) ld_halves<V>(krow(p) + lane * V, kf[j]);
-        }
-#pragma unroll
-        for (int j = 0; j < LQ_KP; ++j) {
-            const int p = base + LQ_WARPS * j;
-            if (p >= p1) break;
-            float sg[GM];
-            lq_group_dots<V, GM>(s.qa, kf[j], lane, sg);
-            if (lane < G) {
-                float v = 0.f;
-#pragma unroll
-                for (int g = 0; g < GM; ++g)
-                    if (g == lane) v = sg[g];
-                s.sc[lane * np + (p - p0)] = v * a.scale;
+                for (int m0 = 0; m0 < HD / 16; ++m0) {
+                    const int m = (m0 + g) & (HD / 16 - 1);
+                    const uint2 kk = *reinterpret_cast<const uint2*>(kr + 16 * m);
+                    const float4 q = *reinterpret_cast<const float4*>(qg + 16 * m);
+                    acc += q.x * ntx_h2f((uint16_t)(kk.x & 0xffffu)) + q.y * ntx_h2f((uint16_t)(kk.x >> 16));
+                    acc += q.z * ntx_h2f((uint16_t)(kk.y & 0xffffu)) + q.w * ntx_h2f((uint16_t)(kk.y >> 16));
+                }
+            }
+            acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+            acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+            if (pr < np * G && tl == 0) {
+                const float v = acc * a.scale;
+                s.sc[g * np + pi] = v;
+                const int e = __float_as_int(v);
+                atomicMax(mx + g, e >= 0 ? e : e ^ 0x7fffffff);
             }
         }
     }
     LQ_SYNC();
-    // each head's chunk max and exp sum; the scores become e^(s - m)
-    if (warp < G) {
-        float m = -3.402823466e38f;
-        for (int i = lane; i < np; i += 32) m = fmaxf(m, s.sc[warp * np + i]);
-        m = warp_max(m);
-        float l = 0.f;
-        for (int i = lane; i < np; i += 32) {
-            const float e = expf(s.sc[warp * np + i] - m);
-            s.sc[warp * np + i] = e;
-            l += e;
-        }
-        l = warp_sum(l);
-        if (lane == 0) {
-            s.stat[warp] = m;
-            s.stat[LQ_GMAX + warp] = l;
-        }
+    LQ_AMARK(7);
+    // the scores become e^(s - m), m the head's chunk max
+    for (int i = threadIdx.x; i < np * G; i += LQ_THREADS) {
+        const int e = mx[i / np];
+        s.sc[i] = expf(s.sc[i] - __int_as_float(e >= 0 ? e : e ^ 0x7fffffff));
     }
     LQ_SYNC();
-    // p.V: thread t the dims 2 dt, 2 dt + 1 of positions p0 + pg + NPG i
+    LQ_AMARK(8);
+    // p.V and the exp sums: thread t the dims 2 dt, 2 dt + 1 of positions p0 + pg + NPG i
+    float* red_l = s.pr;  // [NPG][G] the position groups' exp sums (the phases' row parts are not in use)
     {
         const int dt = threadIdx.x % (HD / 2), pg = threadIdx.x / (HD / 2);
-        float acc[GM][2];
+        float acc[GM][2], l[GM];
 #pragma unroll
-        for (int g = 0; g < GM; ++g) acc[g][0] = acc[g][1] = 0.f;
+        for (int g = 0; g < GM; ++g) acc[g][0] = acc[g][1] = l[g] = 0.f;
 #pragma unroll 4
         for (int p = p0 + pg; p < p1; p += NPG) {
             const uint32_t w = *reinterpret_cast<const uint32_t*>(vrow(p) + 2 * dt);
@@ -595,17 +623,19 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
                 const float e = s.sc[g * np + (p - p0)];
                 acc[g][0] += e * v0;
                 acc[g][1] += e * v1;
+                l[g] += e;
             }
         }
-        LQ_SYNC();  // qraw (red_o) is no longer read
 #pragma unroll
         for (int g = 0; g < GM; ++g) {
             if (g >= G) break;
             s.red_o[(pg * G + g) * HD + 2 * dt] = acc[g][0];
             s.red_o[(pg * G + g) * HD + 2 * dt + 1] = acc[g][1];
+            if (dt == 0) red_l[pg * G + g] = l[g];
         }
     }
     LQ_SYNC();
+    LQ_AMARK(9);
     const int per = 2 * G + G * HD;  // a chunk's partial: max[G], sum[G], o[G][HD]
     float* mypart = a.part + (size_t)unit * per;
     for (int t = threadIdx.x; t < G * HD; t += LQ_THREADS) {
@@ -614,15 +644,26 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         mypart[2 * G + t] = o;
     }
     if (threadIdx.x < G) {
-        mypart[threadIdx.x] = np > 0 ? s.stat[threadIdx.x] : -3.402823466e38f;
-        mypart[G + threadIdx.x] = np > 0 ? s.stat[LQ_GMAX + threadIdx.x] : 0.f;
+        float l = 0.f;
+        for (int pg = 0; pg < NPG; ++pg) l += red_l[pg * G + threadIdx.x];
+        const int e = mx[threadIdx.x];
+        mypart[threadIdx.x] = np > 0 ? __int_as_float(e >= 0 ? e : e ^ 0x7fffffff) : -3.402823466e38f;
+        mypart[G + threadIdx.x] = np > 0 ? l : 0.f;
     }
     // the head's last chunk to arrive combines the head's chunks
     LQ_SYNC();
     if (threadIdx.x == 0)
         s.flag[0] = lq_arrive_count(a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv) + LQ_NCTR + h) == (unsigned)(C - 1);
     LQ_SYNC();
-    if (!s.flag[0]) return;
+    LQ_AMARK(10);
+    if (NTX_LQ_PROBE == 5 && s.flag[0]) {  // the probe without the combine (garbage out)
+        lq_signal(a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv) + 1);
+        return;
+    }
+    if (!s.flag[0]) {
+        LQ_AMARK(11);
+        return;
+    }
     const float* hp = a.part + (size_t)h * C * per;
     float* wt = s.sc;  // the chunks' weights e^(m_c - M) / S (the scores are no longer read)
     for (int i = threadIdx.x; i < C * G; i += LQ_THREADS) {
@@ -639,6 +680,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         for (int q = 0; q < C; ++q) wt[2 * C * G + q * G + g] = expf(wt[q * G + g] - M) / S;
     }
     LQ_SYNC();
+    LQ_AMARK(11);
     for (int t = threadIdx.x; t < G * HD; t += LQ_THREADS) {
         const int g = t / HD;
         float o = 0.f;
@@ -662,7 +704,7 @@ __device__ void lq_step(const LqArgs& a) {
         s.sc = reinterpret_cast<float*>(p);
         p += LQ_ACT;
         s.qa = reinterpret_cast<float*>(p); p += 4 * LQ_GMAX * HD;
-        s.red_o = reinterpret_cast<float*>(p); p += 4 * max(NPG * G * HD, (LQ_GMAX + 1) * HD);
+        s.red_o = reinterpret_cast<float*>(p); p += 4 * NPG * G * HD;
         s.knew = reinterpret_cast<uint16_t*>(p); p += 2 * HD;
         s.vnew = reinterpret_cast<uint16_t*>(p); p += 2 * HD;
         s.kv = reinterpret_cast<uint16_t*>(p); p += LQ_KVS;
@@ -714,11 +756,7 @@ __device__ void lq_step(const LqArgs& a) {
     const unsigned P = gridDim.x;
     // a.trace (a benchmark's tool, null otherwise): every block's thread 0
     // writes the GPU clock at LQ_MARKS points of each layer (cuda_layers.StackDecode.trace)
-#define LQ_MARK(k)                                                                                      \
-    do {                                                                                                \
-        if (a.trace != nullptr && threadIdx.x == 0)                                                     \
-            a.trace[((size_t)layer * LQ_MARKS + (k)) * gridDim.x + blockIdx.x] = global_ns();           \
-    } while (0)
+#define LQ_MARK(k) do { if (!NTX_LQ_ATRACE || (k) < 4) LQ_TMARK(layer, k); } while (0)
     for (int layer = 0; layer < a.n_layers; ++layer) {
         const LqLayer& L = s.layers[layer];
         unsigned* ctr = a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv);
@@ -741,11 +779,15 @@ __device__ void lq_step(const LqArgs& a) {
                 lq_attention<V, LQ_GMAX>(a, L, layer, blockIdx.x, s, ctr + 0);
         }
         LQ_MARK(4);
+        if (NTX_LQ_ATRACE && (int)blockIdx.x >= a.n_kv * a.chunks)
+            for (int k = 4; k < 12; ++k) LQ_TMARK(layer, k);
         if ((int)blockIdx.x >= a.n_kv * a.chunks) lq_release(s, 4 * layer + 1);
         lq_wait(ctr + 1, a.n_kv);
         LQ_MARK(5);
+        LQ_AMARK(12);
         lq_quant_row(a.att, a.D, s);
         LQ_MARK(6);
+        LQ_AMARK(13);
         lq_residual_phase(a, 1, s, it, xin, a.xa);
         LQ_MARK(7);
         lq_signal(ctr + 2);

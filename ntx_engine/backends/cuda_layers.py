@@ -40,7 +40,7 @@ LAYER_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm",
 def stack_smem(head_dim: int, group: int) -> int:
     """Dynamic shared memory of the kernel for this head shape (lq_step's layout)."""
     npg = THREADS // (head_dim // 2)
-    return (SLOTS * SLOT + ACT_BYTES + 4 * GMAX * head_dim + 4 * max(npg * group * head_dim, (GMAX + 1) * head_dim)
+    return (SLOTS * SLOT + ACT_BYTES + 4 * GMAX * head_dim + 4 * npg * group * head_dim
             + 2 * 2 * head_dim + KVS + 4 * 2 * GMAX + 8 * 32 + 16 + 4 * PMAX
             + LAYER_BYTES * MAX_LAYERS + 2 * 8 * SLOTS)
 
