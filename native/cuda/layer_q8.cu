@@ -73,19 +73,22 @@ static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ri
 #ifndef NTX_LQ_PROBE
 #define NTX_LQ_PROBE 0
 #endif
-// NTX_LQ_ATRACE (a benchmark's probe, default 0): marks 4..11 inside the attention instead of the later stages
+// NTX_LQ_ATRACE (a benchmark's probe, default 0): trace marks 4..13 at the attention's stages (wait for
+// q/k/v, RoPE, K/V copies, scores, exponentials, p.V, partial and count, combine, wait for the output,
+// its quantization) instead of the layer's later stages; NTX_LQ_CLK: the marks in SM clock cycles, not ns
 #ifndef NTX_LQ_ATRACE
 #define NTX_LQ_ATRACE 0
 #endif
+#ifndef NTX_LQ_CLK
+#define NTX_LQ_CLK 0
+#endif
+// Trace mark k of a layer (a.trace, cuda_layers.StackDecode.start_trace): the block's thread 0 writes the clock.
 #define LQ_TMARK(layer, k)                                                                              \
     do {                                                                                                \
         if (a.trace != nullptr && threadIdx.x == 0)                                                     \
             a.trace[((size_t)(layer) * LQ_MARKS + (k)) * gridDim.x + blockIdx.x] = NTX_LQ_CLK ? clock64() : global_ns(); \
     } while (0)
 #define LQ_AMARK(k) do { if (NTX_LQ_ATRACE) LQ_TMARK(layer, k); } while (0)
-#ifndef NTX_LQ_CLK  // the trace in SM clock cycles instead of ns (a benchmark's probe)
-#define NTX_LQ_CLK 0
-#endif
 #ifndef NTX_LQ_EVICT_FIRST
 #define NTX_LQ_EVICT_FIRST 1
 #endif
@@ -193,11 +196,13 @@ __device__ __forceinline__ unsigned lq_arrive_count(unsigned* c) {
     return v;
 }
 
+#if NTX_LQ_PROBE == 6
 __device__ __forceinline__ unsigned lq_ld_relaxed(const unsigned* c) {
     unsigned v;
     asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
     return v;
 }
+#endif
 
 __device__ __forceinline__ void lq_wait(const unsigned* c, unsigned target) {
 #if NTX_LQ_PROBE == 6
@@ -510,6 +515,7 @@ template <int V, int GM>
 __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int layer, int unit, const LqShared& s,
                                           const unsigned* qkv_done) {
     constexpr int HD = 32 * V, NPG = LQ_THREADS / (HD / 2);
+    static_assert((HD / 16 & (HD / 16 - 1)) == 0, "the scores' dim steps wrap by a mask");
     const int G = a.n_head / a.n_kv, kvd = a.n_kv * HD, C = a.chunks;
     const int h = unit / C, c = unit % C, pos = __ldg(a.pos), T = pos + 1, len = (T + C - 1) / C;
     const int p0 = min(T, c * len), p1 = min(T, p0 + len), np = p1 - p0;
@@ -561,6 +567,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
             for (int i = threadIdx.x; i < HD; i += LQ_THREADS)
                 s.vnew[i] = L.vc[(size_t)pos * kvd + col + i] = ntx_f2h(__ldcg(a.qkv + a.D + kvd + col + i));
     }
+    LQ_AMARK(5);
     asm volatile("cp.async.wait_all;" ::: "memory");
     LQ_SYNC();
     LQ_AMARK(6);
