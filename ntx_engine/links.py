@@ -60,7 +60,7 @@ def cuda_links(backend: Any, nbytes: int = PROBE_BYTES) -> tuple[float, float]:
         s.synchronize()
     vram = 2 * _best_rate(nbytes, d2d)  # a copy reads and writes every byte
     rate = _best_rate(nbytes, h2d)
-    del host
+    host = None  # the view (h2d's too) released before the pinned buffer closes
     buf.close()
     return vram, rate
 

@@ -127,7 +127,7 @@ def action_params(m: Machine, action: str, params: list[str]) -> tuple[list[str]
     if action in ("enable-iommu", "disable-iommu"):
         vendor = cpu_vendor(m.root)
         if vendor not in IOMMU_ON:
-            raise SetupError(f"unknown CPU vendor in /proc/cpuinfo; add the IOMMU parameters by hand with "
+            raise SetupError("unknown CPU vendor in /proc/cpuinfo; add the IOMMU parameters by hand with "
                              "`ntx-setup grub add intel_iommu=on iommu=pt` (or amd_iommu=on)")
         return (IOMMU_ON[vendor], []) if action == "enable-iommu" else (IOMMU_OFF[vendor], ["iommu=pt"])
     if action == "add":

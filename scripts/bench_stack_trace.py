@@ -6,7 +6,9 @@ started) and the median and max time of the stage before it, averaged over the i
     python3 scripts/bench_stack_trace.py MODEL.gguf [PROMPT_TOKENS]
 
 (an all-Q8_0 model, e.g. make_synthetic_model.py --shape llama3-8b --mix q8_0; NTX_CUDA_DEFINES
-selects a build, e.g. -DNTX_LQ_PROBE=1 for the step without the rows' arithmetic)."""
+selects a build, e.g. -DNTX_LQ_PROBE=1 for the step without the rows' arithmetic, -DNTX_LQ_ATRACE=1
+for marks inside the attention)."""
+import os
 import sys
 
 import numpy as np
@@ -18,6 +20,9 @@ from ntx_engine.model import Transformer, WeightLoader
 
 NAMES = ["start", "wait prev down", "norm1", "qkv rows", "attention", "wait attn", "quant att", "o rows",
          "wait o", "norm2", "gate/up rows", "wait gu", "quant h", "down rows"]
+if "NTX_LQ_ATRACE=1" in os.environ.get("NTX_CUDA_DEFINES", ""):  # marks 4..13 at the attention's stages
+    NAMES[4:] = ["att: wait q/k/v", "att: RoPE", "att: K/V copies", "att: scores", "att: exp", "att: p.V",
+                 "att: partial+count", "att: combine stats", "att: combine+wait", "quant att"]
 if len(sys.argv) < 2:
     sys.exit(__doc__)
 path, npr = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 512
