@@ -679,12 +679,11 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         wt[C * G + i] = __ldcg(hp + (size_t)q * per + G + g);
     }
     LQ_SYNC();
-    if (threadIdx.x < G) {
-        const int g = threadIdx.x;
-        float M = -3.402823466e38f, S = 0.f;
-        for (int q = 0; q < C; ++q) M = fmaxf(M, wt[q * G + g]);
-        for (int q = 0; q < C; ++q) S += expf(wt[q * G + g] - M) * wt[C * G + q * G + g];
-        for (int q = 0; q < C; ++q) wt[2 * C * G + q * G + g] = expf(wt[q * G + g] - M) / S;
+    if ((int)(threadIdx.x >> 5) < G) {  // warp g: head g's chunks, lane q chunk q (C <= 32: cuda_layers.MAX_CHUNKS)
+        const int g = threadIdx.x >> 5, q = threadIdx.x & 31;
+        const float m = q < C ? wt[q * G + g] : -3.402823466e38f, M = warp_max(m);
+        const float e = q < C ? expf(m - M) : 0.f, S = warp_sum(e * (q < C ? wt[C * G + q * G + g] : 0.f));
+        if (q < C) wt[2 * C * G + q * G + g] = e / S;
     }
     LQ_SYNC();
     LQ_AMARK(11);
