@@ -71,3 +71,21 @@ def test_the_host_mirrors_the_kernels_constants():
     fields = re.search(r"struct LqLayer \{[^}]*\}", src).group(0)
     assert len(re.findall(r"\*\s*\w+", fields)) * 8 == cl.LAYER_BYTES == 8 * (len(cl.LAYER_FIELDS) + 2)
     assert all(f"LQ_KERNEL({hd})" in src for hd in cl.HEAD_DIMS)
+
+
+def test_the_gqa8_gpu_case_reaches_a_second_round_of_scores(synth, tmp_path):
+    """test_stack_gpu's "gqa8" case is a real model the stack step takes on the H200, with Llama-3-8B's heads: 16
+    context chunks a KV head, and from its first decode step (601 positions) a chunk holds more (position, head)
+    scores than the block's 4-lane teams (LQ_THREADS / 4), so the kernel's scores loop runs a second round."""
+    from ntx_engine.backends.cuda_layers import THREADS, stack_chunks
+    from ntx_engine.backends.numpy_backend import NumpyBackend
+    from ntx_engine.model import WeightLoader
+    from tests.cuda.conftest import synthetic_gguf
+
+    gf, cfg = synthetic_gguf(synth, tmp_path, "gqa8", "q8_0", 2, seed=5)
+    layers = WeightLoader(gf, cfg, NumpyBackend()).load().layers
+    assert (cfg.n_head, cfg.head_dim, cfg.n_head_kv) == (32, 128, 8)
+    assert stack_unfit(cfg, layers, 640, **H200) is None
+    chunks = stack_chunks(cfg, H200["sm_count"])
+    per_chunk = -(-601 // chunks)
+    assert chunks == 16 and per_chunk * (cfg.n_head // cfg.n_head_kv) > THREADS // 4

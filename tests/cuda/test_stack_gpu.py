@@ -6,7 +6,9 @@ on numpy's greedy tokens so every step's logits are compared at the same inputs:
 - free-running greedy tokens identical to numpy's up to the first near-tie;
 - the CUDA graph of the step bit-identical to the plain stack step (the kernel sums in a fixed order);
 - the stack really ran (`stack_why_not` is None), and a model it cannot run falls back with a reason.
-Contexts from 1 to ~200 positions: the attention's 32 chunks a KV head are mostly empty, then full."""
+Contexts from 1 to ~200 positions: the attention's 32 chunks a KV head are mostly empty, then full; and
+Llama-3-8B's heads (8 KV heads: 16 chunks on 132 SMs) at ~600 positions, where a chunk has more (position,
+head) scores than the block has 4-lane teams (the scores loop's second round)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.gpu
 NEAR_TIE = 0.05
 STEPS = 12
 # (shape, layers, prompt length, n_ctx): head_dim 64 (tiny) and 128 (small)
-CASES = [("tiny", 4, 5, 64), ("tiny", 3, 180, 256), ("small", 2, 9, 64), ("small", 2, 120, 160)]
+CASES = [("tiny", 4, 5, 64), ("tiny", 3, 180, 256), ("small", 2, 9, 64), ("small", 2, 120, 160), ("gqa8", 2, 600, 640)]
 
 
 def _models(synth, tmp_path, shape, layers, n_ctx, fuse):
