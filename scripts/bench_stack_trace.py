@@ -7,7 +7,7 @@ started) and the median and max time of the stage before it, averaged over the i
 
 (an all-Q8_0 model, e.g. make_synthetic_model.py --shape llama3-8b --mix q8_0; NTX_CUDA_DEFINES
 selects a build, e.g. -DNTX_LQ_PROBE=1 for the step without the rows' arithmetic, -DNTX_LQ_ATRACE=1
-for marks inside the attention)."""
+for marks inside the attention, -DNTX_LQ_CLK=1 for SM cycles: the "us" columns are then thousands of cycles)."""
 import os
 import sys
 

@@ -69,7 +69,7 @@ static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ri
 #define LQ_KVS 32768       // bytes of shared memory for the attention chunk's first K and V rows
 // NTX_LQ_PROBE (a benchmark's probe, default 0): 1 leaves the rows' arithmetic out, 2 the activation
 // quantization's, 3 the weight copies (the producer marks a slot full without filling it), 4 the attention
-// chunk's scores, softmax and p.V, 5 the chunks' combine (garbage out)
+// chunk's scores, softmax and p.V, 5 the chunks' combine, 6 the counters' release and acquire (garbage out)
 #ifndef NTX_LQ_PROBE
 #define NTX_LQ_PROBE 0
 #endif
@@ -173,53 +173,46 @@ __device__ __forceinline__ void lq_wait_bar(uint64_t* bar, unsigned parity) {
 #ifndef NTX_LQ_HOLD
 #define NTX_LQ_HOLD 7
 #endif
+// The grid's counters: release adds after a block's stores, acquire loads before its reads (NTX_LQ_PROBE 6:
+// all relaxed, no fences: stale data possible, garbage out).
+#if NTX_LQ_PROBE == 6
+#define LQ_REL "relaxed"
+#define LQ_ACQ "relaxed"
+#define LQ_ACQ_REL "relaxed"
+#else
+#define LQ_REL "release"
+#define LQ_ACQ "acquire"
+#define LQ_ACQ_REL "acq_rel"
+#endif
+
 // The block's stores before it are visible to the blocks that wait for *c after it: the barrier orders
 // the consumers' stores before thread 0's release (cumulative), which lq_wait's acquire pairs with.
 __device__ __forceinline__ void lq_signal(unsigned* c) {
     LQ_SYNC();
-#if NTX_LQ_PROBE == 6  // the probe with relaxed signals (no release: stale data possible, garbage out)
-    if (threadIdx.x == 0) asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
-#else
-    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
-#endif
+    if (threadIdx.x == 0) asm volatile("red." LQ_REL ".gpu.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
 }
 
 // Thread 0's release add returning the count before it, with acquire (the last of a head's chunks
 // reads the others' partials after it, past the consumers' barrier).
 __device__ __forceinline__ unsigned lq_arrive_count(unsigned* c) {
     unsigned v;
-#if NTX_LQ_PROBE == 6
-    asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(c) : "memory");
-#else
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(c) : "memory");
-#endif
+    asm volatile("atom." LQ_ACQ_REL ".gpu.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(c) : "memory");
     return v;
 }
 
-#if NTX_LQ_PROBE == 6
-__device__ __forceinline__ unsigned lq_ld_relaxed(const unsigned* c) {
+__device__ __forceinline__ unsigned lq_ld_count(const unsigned* c) {
     unsigned v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
+    asm volatile("ld." LQ_ACQ ".gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
     return v;
 }
-#endif
 
 __device__ __forceinline__ void lq_wait(const unsigned* c, unsigned target) {
-#if NTX_LQ_PROBE == 6
-    if (threadIdx.x == 0 && lq_ld_relaxed(c) < target) {
+    if (threadIdx.x == 0 && lq_ld_count(c) < target) {
         const unsigned long long t0 = global_ns();
-        while (lq_ld_relaxed(c) < target) {
-            if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();
-        }
-    }
-#else
-    if (threadIdx.x == 0 && ld_acquire(c) < target) {
-        const unsigned long long t0 = global_ns();
-        while (ld_acquire(c) < target) {
+        while (lq_ld_count(c) < target) {
             if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();  // a block that never came: fail, not hang
         }
     }
-#endif
     LQ_SYNC();
 }
 

@@ -132,7 +132,8 @@ class StackDecode:
         self.trace = self.b._new(self.n_layers * TRACE_MARKS * self.blocks, dtype=np.uint64)
 
     def read_trace(self) -> np.ndarray:
-        """The last launch's clock marks (ns), shaped (layers, TRACE_MARKS, blocks); start_trace first."""
+        """The last launch's clock marks (ns; SM cycles in an NTX_LQ_CLK build), shaped (layers, TRACE_MARKS,
+        blocks); start_trace first."""
         if self.trace is None:
             raise RuntimeError("the stack decode records no trace: call start_trace() before the launch")
         return download(self.trace, self.b.stream).reshape(self.n_layers, TRACE_MARKS, self.blocks)
