@@ -85,10 +85,24 @@ static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ri
 // Trace mark k of a layer (a.trace, cuda_layers.StackDecode.start_trace): the block's thread 0 writes the clock.
 #define LQ_TMARK(layer, k)                                                                              \
     do {                                                                                                \
-        if (a.trace != nullptr && threadIdx.x == 0)                                                     \
+        if (!NTX_LQ_RTRACE && a.trace != nullptr && threadIdx.x == 0)                                   \
             a.trace[((size_t)(layer) * LQ_MARKS + (k)) * gridDim.x + blockIdx.x] = NTX_LQ_CLK ? clock64() : global_ns(); \
     } while (0)
 #define LQ_AMARK(k) do { if (NTX_LQ_ATRACE) LQ_TMARK(layer, k); } while (0)
+// NTX_LQ_RTRACE (a benchmark's probe, default 0): instead of the marks, the ring's timing in layer
+// LQ_RT_LAYER: for the block's chunk k of that layer, a.trace[(4 k + e) * blocks + block] holds e = 0 when the
+// producer issued its copies, 1 when the group's first warp saw it full, 2 when the producer saw its slot
+// read (empty) again, 3 its phase (bench/ring.py reads them)
+#ifndef NTX_LQ_RTRACE
+#define NTX_LQ_RTRACE 0
+#endif
+#define LQ_RT_LAYER 5
+#define LQ_RT_MAX 100
+#define LQ_RMARK(k, e, v)                                                                                   \
+    do {                                                                                                    \
+        if (NTX_LQ_RTRACE && a.trace != nullptr && (unsigned)(k) < LQ_RT_MAX)                               \
+            a.trace[(size_t)(4 * (k) + (e)) * gridDim.x + blockIdx.x] = (v);                                \
+    } while (0)
 #ifndef NTX_LQ_EVICT_FIRST
 #define NTX_LQ_EVICT_FIRST 1
 #endif
@@ -134,10 +148,15 @@ __device__ __forceinline__ void lq_expect(uint64_t* bar, unsigned bytes) {
 
 // The weights pass through L2 once a step: marked evict-first, so they do not push out what the
 // latency-bound steps read from L2 (the activations other blocks just wrote, this kernel's code).
-__device__ __forceinline__ void lq_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+__device__ __forceinline__ unsigned long long lq_policy() {
+    unsigned long long pol = 0;
 #if NTX_LQ_EVICT_FIRST
-    unsigned long long pol;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+#endif
+    return pol;
+}
+__device__ __forceinline__ void lq_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar, unsigned long long pol) {
+#if NTX_LQ_EVICT_FIRST
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
                  ::"r"(lq_smem(dst)), "l"(src), "r"(bytes), "r"(lq_smem(bar)), "l"(pol)
                  : "memory");
@@ -247,17 +266,28 @@ __device__ __forceinline__ int lq_mat_end(const LqArgs& a, int ph, int row) {
     const int kvd = lq_kvd(a);
     return row < a.D ? a.D : row < a.D + kvd ? a.D + kvd : a.D + 2 * kvd;
 }
-__device__ __forceinline__ const uint8_t* lq_src(const LqLayer& L, const LqArgs& a, int ph, int row, int rb) {
-    const int kvd = lq_kvd(a);
-    if (ph == 0) {
-        if (row < a.D) return L.wq + (size_t)row * rb;
-        if (row < a.D + kvd) return L.wk + (size_t)(row - a.D) * rb;
-        return L.wv + (size_t)(row - a.D - kvd) * rb;
-    }
-    return (ph == 1 ? L.wo : ph == 2 ? L.wg : L.wd) + (size_t)row * rb;
+// NTX_LQ_XMAT (default 1): a q|k|v chunk may cross from q to k or k to v (two copies into one slot); with 0
+// a chunk ends at its matrix's end, so the two blocks whose rows straddle a boundary take a chunk more.
+#ifndef NTX_LQ_XMAT
+#define NTX_LQ_XMAT 1
+#endif
+// Rows of the chunk that starts at row `row` of a block's phase rows ending at r1.
+__device__ __forceinline__ int lq_chunk_rows(const LqArgs& a, int ph, int row, int r1) {
+    const int n = min(lq_rpc(a, ph), r1 - row);
+    return NTX_LQ_XMAT ? n : min(n, lq_mat_end(a, ph, row) - row);
 }
+// A ring chunk of a layer: n0 rows of weight matrix mat (LqLayer's order: q, k, v, o, gate, up, down) from
+// row `row`, then n1 rows of matrix mat + 1 from its first row (a q|k|v chunk that crosses into the next
+// matrix); a gate chunk also holds the same rows of up, after its gate rows.
+struct LqChunk {
+    unsigned row;
+    unsigned short n0;
+    unsigned char mat, n1;
+};
+#define LQ_CMAX 256  // chunks a layer a block at most (cuda_layers.CHUNK_MAX)
 
-// The ring's filler: the block's chunks in consumption order (layer, phase, rows), one slot each.
+// The block's chunks in consumption order (layer, phase, rows), one slot each: the producer lists one
+// layer's (every layer has the same) once, before it starts.
 struct LqFill {
     int layer, ph, row, r1;
 
@@ -274,30 +304,62 @@ struct LqFill {
         r1 = lq_r0(a, 0, blockIdx.x + 1);
         skip_empty(a);
     }
-    // Issue the next chunk into slot (the producer warp's first lane); nothing once past the last layer.
-    __device__ __noinline__ void issue(const LqArgs& a, const LqLayer* lyr, uint8_t* slot, uint64_t* bar) {
-        if (layer >= a.n_layers) return;
-        const int rb = lq_row_bytes(a, ph);
-        const int n = min(min(lq_rpc(a, ph), r1 - row), lq_mat_end(a, ph, row) - row);
-        const LqLayer& L = lyr[layer];
-        const unsigned bytes = (unsigned)(n * rb);
-        if (NTX_LQ_PROBE == 3) {
-            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(bar)) : "memory");
-        } else {
-            lq_expect(bar, ph == 2 ? 2 * bytes : bytes);
-            lq_copy(slot, lq_src(L, a, ph, row, rb), bytes, bar);
-            if (ph == 2) lq_copy(slot + bytes, L.wu + (size_t)row * rb, bytes, bar);
-        }
+    // The chunk at the fill point (rows row.. of phase ph), and the fill point past it.
+    __device__ LqChunk next(const LqArgs& a) {
+        const int n = lq_chunk_rows(a, ph, row, r1), end = lq_mat_end(a, ph, row), kvd = lq_kvd(a);
+        const int mat = ph == 0 ? (row < a.D ? 0 : row < a.D + kvd ? 1 : 2) : ph == 1 ? 3 : ph == 2 ? 4 : 6;
+        const int first = ph != 0 ? 0 : mat == 0 ? 0 : mat == 1 ? a.D : a.D + kvd;  // the matrix's first row
+        const int n0 = min(n, end - row);
+        const LqChunk e = {(unsigned)(row - first), (unsigned short)n0, (unsigned char)mat, (unsigned char)(n - n0)};
         row += n;
         skip_empty(a);
+        return e;
     }
 };
+
+__device__ __forceinline__ int lq_lds_vol(unsigned addr) {
+    int v;
+    asm volatile("ld.volatile.shared.s32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ unsigned long long lq_lds64(unsigned addr) {
+    unsigned long long v;
+    asm volatile("ld.shared.u64 %0, [%1];" : "=l"(v) : "r"(addr));
+    return v;
+}
+
+// A chunk's phase (q|k|v 0, o 1, gate/up 2, down 3) from the second word of its LqChunk.
+__device__ __forceinline__ int lq_chunk_ph(unsigned w1) {
+    const int mat = (int)((w1 >> 16) & 0xffu);
+    return mat < 3 ? 0 : mat == 6 ? 3 : mat - 2;
+}
+
+// Issue the chunk whose LqChunk words are row, w1 for the layer whose LqLayer sits at shared address lyr
+// into slot (the producer warp's first lane): no divisions, shared-memory loads only. rbd / rbf: the bytes
+// of a row of n_embd / n_ff values, pol: the copies' L2 policy.
+__device__ __forceinline__ void lq_issue(unsigned row, unsigned w1, unsigned lyr, int rbd, int rbf, uint8_t* slot,
+                                         uint64_t* bar, unsigned long long pol) {
+    const int n0 = (int)(w1 & 0xffffu), mat = (int)((w1 >> 16) & 0xffu), n1 = (int)(w1 >> 24);
+    const int rb = mat == 6 ? rbf : rbd;
+    const unsigned bytes = (unsigned)((n0 + n1) * rb);
+    if (NTX_LQ_PROBE == 3) {
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(bar)) : "memory");
+        return;
+    }
+    lq_expect(bar, mat == 4 ? 2 * bytes : bytes);
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(lq_lds64(lyr + 8u * (unsigned)mat));
+    lq_copy(slot, w + (size_t)row * rb, (unsigned)(n0 * rb), bar, pol);
+    if (n1) lq_copy(slot + n0 * rb, reinterpret_cast<const uint8_t*>(lq_lds64(lyr + 8u * (unsigned)(mat + 1))),
+                    (unsigned)(n1 * rb), bar, pol);
+    if (mat == 4) lq_copy(slot + bytes, reinterpret_cast<const uint8_t*>(lq_lds64(lyr + 40u)) + (size_t)row * rb, bytes, bar, pol);
+}
 
 // The dynamic shared memory: the ring's slots first, then the activation row (lq_step's layout).
 extern __shared__ __align__(128) uint8_t lq_dyn[];
 
 struct LqShared {
     LqLayer* layers;  // the layer descriptors
+    LqChunk* chunks;  // [LQ_CMAX] the block's chunks of a layer (the producer's list)
     uint8_t* ring;
     uint64_t* full;   // a slot's bulk copies landed
     uint64_t* empty;  // a slot was read
@@ -467,10 +529,11 @@ __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& i
     const int per = ph == 2 ? 2 : 1, wpr = max(1, LQ_GW / (per * rpc)), pt = wi % wpr;
     unsigned i = it;
     for (int row = 0; row < nr; ++i) {
-        const int n = min(min(rpc, nr - row), lq_mat_end(a, ph, r0 + row) - r0 - row);
+        const int n = lq_chunk_rows(a, ph, r0 + row, r0 + nr);
         if ((int)(i % LQ_GROUPS) == grp) {
             const int slot = i % NTX_LQ_SLOTS;
             lq_wait_bar(s.full + slot, (i / NTX_LQ_SLOTS) & 1);
+            if (NTX_LQ_RTRACE && wi == 0 && lane == 0 && s.flag[3]) LQ_RMARK((int)(i - s.flag[2]), 1, global_ns());
             for (int j = wi / wpr; j < per * n; j += LQ_GW / wpr) {
                 const float t = warp_sum(lq_row_dot(slot * LQ_SLOT + j * rb, units, pt, wpr));
                 const int r = j < n ? row + j : nr + row + j - n;  // up rows after the gate rows
@@ -712,6 +775,7 @@ __device__ void lq_step(const LqArgs& a) {
         s.flag = reinterpret_cast<int*>(p); p += 16;
         s.pr = reinterpret_cast<float*>(p); p += 4 * LQ_PMAX;
         s.layers = reinterpret_cast<LqLayer*>(p); p += sizeof(LqLayer) * LQ_MAX_LAYERS;
+        s.chunks = reinterpret_cast<LqChunk*>(p); p += sizeof(LqChunk) * LQ_CMAX;
         s.full = reinterpret_cast<uint64_t*>(p); p += 8 * LQ_SLOTS;
         s.empty = reinterpret_cast<uint64_t*>(p);
     }
@@ -729,21 +793,39 @@ __device__ void lq_step(const LqArgs& a) {
     __syncthreads();
     if (threadIdx.x >= LQ_THREADS) {  // the producer warp: the block's chunks in order, a slot as soon as it is read
         if (threadIdx.x == LQ_THREADS) {
+            // one layer's chunks listed once (the same in every layer), then issued layer after layer
             LqFill f;
             f.start(a);
-            for (unsigned i = 0; f.layer < a.n_layers; ++i) {
-                const int slot = i % NTX_LQ_SLOTS;
-                if (i >= NTX_LQ_SLOTS) lq_wait_bar(s.empty + slot, (i / NTX_LQ_SLOTS - 1) & 1);
-                if ((NTX_LQ_HOLD >> f.ph) & 1) {
-                    const int q = 4 * f.layer + f.ph;
-                    const volatile int* rel = s.flag + 1;
-                    if (*rel < q) {
-                        const unsigned long long t0 = global_ns();
-                        while (*rel < q)
-                            if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();
+            int nc = 0;
+            while (f.layer == 0 && nc < LQ_CMAX) s.chunks[nc++] = f.next(a);
+            if (f.layer == 0) __trap();  // more chunks than the list holds (cuda_layers.stack_unfit checks)
+            const unsigned long long pol = lq_policy();
+            const int rbd = a.D / 32 * LQ_BQ, rbf = a.F / 32 * LQ_BQ;
+            const unsigned tab = lq_smem(s.chunks), rel = lq_smem(s.flag + 1);
+            unsigned i = 0;
+            for (int layer = 0; layer < a.n_layers; ++layer) {
+                const unsigned lyr = lq_smem(s.layers + layer);
+                for (int c = 0; c < nc; ++c, ++i) {
+                    const int slot = i % NTX_LQ_SLOTS;
+                    if (i >= NTX_LQ_SLOTS) lq_wait_bar(s.empty + slot, (i / NTX_LQ_SLOTS - 1) & 1);
+                    if (NTX_LQ_RTRACE && layer >= LQ_RT_LAYER) LQ_RMARK((int)(i - NTX_LQ_SLOTS) - LQ_RT_LAYER * nc, 2, global_ns());
+                    unsigned row, w1;
+                    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(row), "=r"(w1) : "r"(tab + 8u * (unsigned)c) : "memory");
+                    const int ph = lq_chunk_ph(w1);
+                    if ((NTX_LQ_HOLD >> ph) & 1) {  // held until the consumers release the phase (lq_release)
+                        const int q = 4 * layer + ph;
+                        if (lq_lds_vol(rel) < q) {
+                            const unsigned long long t0 = global_ns();
+                            while (lq_lds_vol(rel) < q)
+                                if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();
+                        }
+                    }
+                    lq_issue(row, w1, lyr, rbd, rbf, s.ring + (size_t)slot * LQ_SLOT, s.full + slot, pol);
+                    if (NTX_LQ_RTRACE && layer == LQ_RT_LAYER) {
+                        LQ_RMARK(c, 0, global_ns());
+                        LQ_RMARK(c, 3, (unsigned long long)ph);
                     }
                 }
-                f.issue(a, s.layers, s.ring + (size_t)slot * LQ_SLOT, s.full + slot);
             }
         }
         return;
@@ -760,6 +842,10 @@ __device__ void lq_step(const LqArgs& a) {
         const LqLayer& L = s.layers[layer];
         unsigned* ctr = a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv);
         const float* xin = layer == 0 ? a.x0 : a.xb;
+        if (NTX_LQ_RTRACE && threadIdx.x == 0) {  // the consumers' first chunk of the traced layer
+            s.flag[2] = (int)it;
+            s.flag[3] = layer == LQ_RT_LAYER;
+        }
         LQ_MARK(0);
         if (layer > 0) lq_wait(ctr - (LQ_NCTR + a.n_kv) + 4, P);
         lq_release(s, 4 * layer + 0);

@@ -29,6 +29,8 @@ NCTR = 6  # LQ_NCTR: counters a layer before the KV heads'
 TRACE_MARKS = 14  # LQ_MARKS: the trace points a layer
 MAX_CHUNKS = 32  # context chunks a KV head
 MAX_LAYERS = 96  # LQ_MAX_LAYERS: layer descriptors in shared memory
+CHUNK_MAX = 256  # LQ_CMAX: ring chunks of a layer a block (the producer's list)
+CHUNK_BYTES = 8  # sizeof(LqChunk)
 LAYER_BYTES = 8 * 11  # sizeof(LqLayer)
 STATIC_SMEM = 512  # at least the kernel's static shared memory (ptxas: 384 bytes)
 PMAX = 1024  # LQ_PMAX: a phase's row parts a block (rows x warps a row)
@@ -42,17 +44,33 @@ def stack_smem(head_dim: int, group: int) -> int:
     npg = THREADS // (head_dim // 2)
     return (SLOTS * SLOT + ACT_BYTES + 4 * GMAX * head_dim + 4 * npg * group * head_dim
             + 2 * 2 * head_dim + KVS + 4 * 2 * GMAX + 8 * 32 + 16 + 4 * PMAX
-            + LAYER_BYTES * MAX_LAYERS + 2 * 8 * SLOTS)
+            + LAYER_BYTES * MAX_LAYERS + CHUNK_BYTES * CHUNK_MAX + 2 * 8 * SLOTS)
+
+
+def chunk_rows(row_bytes: int, pair: bool) -> int:
+    """Rows a ring chunk of a phase (lq_rpc): the largest power of two that fits a slot and the warps."""
+    per = 2 if pair else 1
+    rpc = 1
+    while 2 * rpc * per <= THREADS // 32 and 2 * rpc * per * row_bytes <= SLOT - 16:
+        rpc *= 2
+    return rpc
 
 
 def phase_parts(rows: int, row_bytes: int, pair: bool, sm_count: int) -> int:
     """Row parts one block keeps for a phase (lq_phase): its rows (gate/up: twice) x warps a row."""
     per = 2 if pair else 1
-    rpc = 1
-    while 2 * rpc * per <= THREADS // 32 and 2 * rpc * per * row_bytes <= SLOT - 16:
-        rpc *= 2
-    wpr = max(1, THREADS // 32 // GROUPS // (per * rpc))
+    wpr = max(1, THREADS // 32 // GROUPS // (per * chunk_rows(row_bytes, pair)))
     return -(-rows // sm_count) * per * wpr
+
+
+def layer_chunks(cfg: ModelConfig, sm_count: int) -> int:
+    """Ring chunks of one layer a block at most (the producer's list, lq_step): each phase's rows a block
+    in chunks, + 2 where a chunk ends at the q/k or k/v boundary (NTX_LQ_XMAT=0)."""
+    d, f = cfg.n_embd, cfg.n_ff
+    rb_d, rb_f = d // 32 * 34, f // 32 * 34
+    phases = ((d + 2 * cfg.n_head_kv * cfg.head_dim, rb_d, False), (d, rb_d, False), (f, rb_d, True), (d, rb_f, False))
+    per_block = [(-(-rows // sm_count), chunk_rows(rb, pair)) for rows, rb, pair in phases]
+    return 2 + sum(-(-n // rpc) for n, rpc in per_block)
 
 
 def stack_chunks(cfg: ModelConfig, sm_count: int) -> int:
@@ -81,9 +99,10 @@ def stack_unfit(cfg: ModelConfig, layers: list, n_ctx: int, cc: tuple[int, int],
     rb_d, rb_f, kv = d // 32 * 34, f // 32 * 34, cfg.n_head_kv * hd
     parts = max(phase_parts(d + 2 * kv, rb_d, False, sm_count), phase_parts(d, rb_d, False, sm_count),
                 phase_parts(f, rb_d, True, sm_count), phase_parts(d, rb_f, False, sm_count))
-    if len(layers) > MAX_LAYERS or parts > PMAX or -(-d // sm_count) > THREADS:
-        return (f"{len(layers)} layers, {d} x {f} rows on {sm_count} SMs: {parts} row parts an SM "
-                f"(at most {MAX_LAYERS} layers, {PMAX} parts)")
+    chunks = layer_chunks(cfg, sm_count)
+    if len(layers) > MAX_LAYERS or parts > PMAX or -(-d // sm_count) > THREADS or chunks > CHUNK_MAX:
+        return (f"{len(layers)} layers, {d} x {f} rows on {sm_count} SMs: {parts} row parts and {chunks} ring "
+                f"chunks a layer an SM (at most {MAX_LAYERS} layers, {PMAX} parts, {CHUNK_MAX} chunks)")
     smem = stack_smem(hd, group)
     if smem + STATIC_SMEM > smem_optin:
         return f"needs {smem} bytes of shared memory a block, the GPU allows {smem_optin}"
