@@ -3,14 +3,16 @@
 // The one-kernel-per-op step (fused.cu, attn_grid.cu, matvec_fast.cu) pays, at every op, a
 // launch, a ramp-up and a drain, and its latency-bound ops (the norms, the attention) leave HBM
 // idle. Here one block an SM runs every layer: each block owns a fixed slice of every matrix's
-// rows, and a ring of shared-memory slots (LQ_SLOTS x LQ_SLOT bytes) is kept filled with the
-// block's next weight rows by bulk copies (cp.async.bulk on a "full" mbarrier a slot), in the order
-// the block will multiply them, across matrices and layers. The copies are issued by a producer
-// warp of their own, which refills a slot as soon as the consumers (16 warps in two groups taking
-// alternate slots, the arithmetic) arrive on its "empty" mbarrier, so no consumer ever waits for a
-// copy to be issued. A weight never depends on the token, so the ring streams during the norms, the
-// attention and the waits between the ops: when one ends, the next matrix's first ~139 KB an SM are
-// already on chip (NTX_LQ_HOLD: except while the grid meets before a phase, see lq_release).
+// rows (gate/up and down: all but the last NTX_LQ_POOL % of them, a pool of chunks that the blocks
+// which stream faster claim at a counter), and a ring of shared-memory slots (LQ_SLOTS x LQ_SLOT
+// bytes) is kept filled with the block's next weight rows by bulk copies (cp.async.bulk on a "full"
+// mbarrier a slot), in the order the block will multiply them, across matrices and layers. The
+// copies are issued by a producer warp of their own, from a list of one layer's chunks made once,
+// which refills a slot as soon as the consumers (16 warps in two groups taking alternate slots, the
+// arithmetic) arrive on its "empty" mbarrier, and tells them which rows a slot holds (s.desc). A
+// weight never depends on the token, so the ring streams during the norms, the attention and the
+// waits between the ops: when one ends, the next matrix's first ~139 KB an SM are already on chip
+// (NTX_LQ_HOLD: except while the grid meets before a phase, see lq_release).
 //
 // A layer: (1) every block forms the RMSNorm of the residual and its Q8_1 quantization in its own
 // shared memory (the same values in every block); (2) q/k/v rows; (3) attention, one block a
@@ -50,7 +52,6 @@
 #define NTX_LQ_SLOTS 4
 #endif
 #define LQ_MAX_LAYERS 96   // layer descriptors kept in shared memory
-#define LQ_PMAX 1024       // row parts of a phase a block at most (rows x warps a row)
 #define LQ_GROUPS 2        // consumer warp groups: chunk i is read by group i % LQ_GROUPS
 #define LQ_GW (LQ_WARPS / LQ_GROUPS)
 // A group reuses only its own slots: with another group's chunk last in a slot, a group running ahead
@@ -63,7 +64,19 @@ static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ri
 #define LQ_NV 16           // norm values a thread (rows of at most LQ_NV * LQ_THREADS)
 #define LQ_GMAX 8          // query heads a KV head
 #define LQ_DEADLINE_NS 2000000000ull
-#define LQ_NCTR 6          // counters a layer before the KV heads' chunk counters
+#define LQ_NCTR 10         // counters a layer before the KV heads' chunk counters
+#define LQ_POOLCTR 6       // counter LQ_POOLCTR + ph of a layer: the chunks of phase ph's pool claimed
+// NTX_LQ_POOL: percent of a phase's rows (its last, in whole chunks) that no block owns: the producers claim
+// them chunk by chunk at a counter a phase once their own are issued, so the blocks that stream faster take
+// more (HBM serves the SMs unevenly: a phase's last block ended gate/up 2.6 us after the median one, 0.5 with
+// the pool). NTX_LQ_POOLPH: the phases with a pool (bit ph), gate/up and down (in q/k/v and o it cost more
+// than it evened out).
+#ifndef NTX_LQ_POOL
+#define NTX_LQ_POOL 10
+#endif
+#ifndef NTX_LQ_POOLPH
+#define NTX_LQ_POOLPH 12
+#endif
 #define LQ_BQ 34           // bytes of a Q8_0 block
 #define LQ_MARKS 14        // trace points a layer
 #define LQ_KVS 32768       // bytes of shared memory for the attention chunk's first K and V rows
@@ -92,7 +105,7 @@ static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ri
 // NTX_LQ_RTRACE (a benchmark's probe, default 0): instead of the marks, the ring's timing in layer
 // LQ_RT_LAYER: for the block's chunk k of that layer, a.trace[(4 k + e) * blocks + block] holds e = 0 when the
 // producer issued its copies, 1 when the group's first warp saw it full, 2 when the producer saw its slot
-// read (empty) again, 3 its phase (bench/ring.py reads them)
+// read (empty) again, 3 its phase (scripts/bench_stack_ring.py reads them)
 #ifndef NTX_LQ_RTRACE
 #define NTX_LQ_RTRACE 0
 #endif
@@ -100,7 +113,8 @@ static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ri
 #define LQ_RT_MAX 100
 #define LQ_RMARK(k, e, v)                                                                                   \
     do {                                                                                                    \
-        if (NTX_LQ_RTRACE && a.trace != nullptr && (unsigned)(k) < LQ_RT_MAX)                               \
+        if (NTX_LQ_RTRACE && a.trace != nullptr && (unsigned)(k) < LQ_RT_MAX &&                             \
+            4 * (k) + (e) < a.n_layers * LQ_MARKS) /* within start_trace's buffer */                         \
             a.trace[(size_t)(4 * (k) + (e)) * gridDim.x + blockIdx.x] = (v);                                \
     } while (0)
 #ifndef NTX_LQ_EVICT_FIRST
@@ -188,10 +202,17 @@ __device__ __forceinline__ void lq_wait_bar(uint64_t* bar, unsigned parity) {
 // NTX_LQ_HOLD (bit ph): the producer issues the first chunk of phase ph only once the consumers have
 // passed the grid-wide wait before that phase (o rows: the attention's wait for q/k/v), so those
 // waits are not queued behind a burst of bulk copies; the chunks then stream during the norm or the
-// attention after the wait. The down rows are not held: their first chunks would then come too late.
+// attention after the wait. The down rows (bit 3) are held until silu(g) * u's quantization has met, except
+// their first NTX_LQ_PRE3 chunks: with the pool the blocks end gate/up together, and each SM's burst of
+// copies then delayed the grid's meeting after it (its poll's answer queued behind the SM's incoming
+// bytes): the wait after gate/up 3.8 -> 1.5 us.
 #ifndef NTX_LQ_HOLD
-#define NTX_LQ_HOLD 7
+#define NTX_LQ_HOLD 15
 #endif
+#ifndef NTX_LQ_PRE3
+#define NTX_LQ_PRE3 1
+#endif
+
 // The grid's counters: release adds after a block's stores, acquire loads before its reads (NTX_LQ_PROBE 6:
 // all relaxed, no fences: stale data possible, garbage out).
 #if NTX_LQ_PROBE == 6
@@ -257,8 +278,13 @@ __device__ __forceinline__ int lq_rpc(const LqArgs& a, int ph) {
     while (2 * r * per <= LQ_WARPS && 2 * r * rb <= LQ_SLOT - 16) r *= 2;
     return r;
 }
+// Chunks of a phase in its pool (its last rows), and the rows before them, which the blocks own in even shares.
+__device__ __forceinline__ int lq_pool(const LqArgs& a, int ph) {
+    return (NTX_LQ_POOLPH >> ph) & 1 ? lq_rows(a, ph) * NTX_LQ_POOL / 100 / lq_rpc(a, ph) : 0;
+}
+__device__ __forceinline__ int lq_owned(const LqArgs& a, int ph) { return lq_rows(a, ph) - lq_pool(a, ph) * lq_rpc(a, ph); }
 __device__ __forceinline__ int lq_r0(const LqArgs& a, int ph, int b) {
-    return (int)((unsigned)b * (unsigned)lq_rows(a, ph) / gridDim.x);
+    return (int)((unsigned)b * (unsigned)lq_owned(a, ph) / gridDim.x);
 }
 // Where the matrix holding row `row` of phase ph ends (q, k and v are three matrices).
 __device__ __forceinline__ int lq_mat_end(const LqArgs& a, int ph, int row) {
@@ -276,15 +302,23 @@ __device__ __forceinline__ int lq_chunk_rows(const LqArgs& a, int ph, int row, i
     const int n = min(lq_rpc(a, ph), r1 - row);
     return NTX_LQ_XMAT ? n : min(n, lq_mat_end(a, ph, row) - row);
 }
-// A ring chunk of a layer: n0 rows of weight matrix mat (LqLayer's order: q, k, v, o, gate, up, down) from
-// row `row`, then n1 rows of matrix mat + 1 from its first row (a q|k|v chunk that crosses into the next
-// matrix); a gate chunk also holds the same rows of up, after its gate rows.
+// A ring chunk of a layer: rows row .. row + n0 + n1 - 1 of its phase (q|k|v: of the three matrices' rows in
+// turn), n0 of them in weight matrix mat (LqLayer's order: q, k, v, o, gate, up, down), n1 in matrix mat + 1 (a
+// q|k|v chunk that crosses into the next matrix); a gate chunk also holds the same rows of up, after its gate
+// rows. n0 = n1 = 0: the end of a phase for the group that reads it.
 struct LqChunk {
     unsigned row;
     unsigned short n0;
     unsigned char mat, n1;
 };
 #define LQ_CMAX 256  // chunks a layer a block at most (cuda_layers.CHUNK_MAX)
+
+// The chunk of n rows of phase ph from row `row`.
+__device__ __forceinline__ LqChunk lq_chunk(const LqArgs& a, int ph, int row, int n) {
+    const int kvd = lq_kvd(a), n0 = min(n, lq_mat_end(a, ph, row) - row);
+    const int mat = ph == 0 ? (row < a.D ? 0 : row < a.D + kvd ? 1 : 2) : ph == 1 ? 3 : ph == 2 ? 4 : 6;
+    return {(unsigned)row, (unsigned short)n0, (unsigned char)mat, (unsigned char)(n - n0)};
+}
 
 // The block's chunks in consumption order (layer, phase, rows), one slot each: the producer lists one
 // layer's (every layer has the same) once, before it starts.
@@ -306,12 +340,8 @@ struct LqFill {
     }
     // The chunk at the fill point (rows row.. of phase ph), and the fill point past it.
     __device__ LqChunk next(const LqArgs& a) {
-        const int n = lq_chunk_rows(a, ph, row, r1), end = lq_mat_end(a, ph, row), kvd = lq_kvd(a);
-        const int mat = ph == 0 ? (row < a.D ? 0 : row < a.D + kvd ? 1 : 2) : ph == 1 ? 3 : ph == 2 ? 4 : 6;
-        const int first = ph != 0 ? 0 : mat == 0 ? 0 : mat == 1 ? a.D : a.D + kvd;  // the matrix's first row
-        const int n0 = min(n, end - row);
-        const LqChunk e = {(unsigned)(row - first), (unsigned short)n0, (unsigned char)mat, (unsigned char)(n - n0)};
-        row += n;
+        const LqChunk e = lq_chunk(a, ph, row, lq_chunk_rows(a, ph, row, r1));
+        row += e.n0 + e.n1;
         skip_empty(a);
         return e;
     }
@@ -328,18 +358,21 @@ __device__ __forceinline__ unsigned long long lq_lds64(unsigned addr) {
     return v;
 }
 
-// A chunk's phase (q|k|v 0, o 1, gate/up 2, down 3) from the second word of its LqChunk.
+// The second word of an LqChunk (as the list holds it), and the chunk's phase from it (q|k|v 0, o 1, gate/up
+// 2, down 3).
+__device__ __forceinline__ unsigned lq_chunk_w1(LqChunk e) { return (unsigned)e.n0 | (unsigned)e.mat << 16 | (unsigned)e.n1 << 24; }
 __device__ __forceinline__ int lq_chunk_ph(unsigned w1) {
     const int mat = (int)((w1 >> 16) & 0xffu);
     return mat < 3 ? 0 : mat == 6 ? 3 : mat - 2;
 }
 
-// Issue the chunk whose LqChunk words are row, w1 for the layer whose LqLayer sits at shared address lyr
+// Issue the chunk whose LqChunk words are row, w1 (row: of the phase) for the layer whose LqLayer sits at shared address lyr
 // into slot (the producer warp's first lane): no divisions, shared-memory loads only. rbd / rbf: the bytes
 // of a row of n_embd / n_ff values, pol: the copies' L2 policy.
-__device__ __forceinline__ void lq_issue(unsigned row, unsigned w1, unsigned lyr, int rbd, int rbf, uint8_t* slot,
-                                         uint64_t* bar, unsigned long long pol) {
+__device__ __forceinline__ void lq_issue(unsigned row, unsigned w1, unsigned lyr, int rbd, int rbf, int D, int kvd,
+                                         uint8_t* slot, uint64_t* bar, unsigned long long pol) {
     const int n0 = (int)(w1 & 0xffffu), mat = (int)((w1 >> 16) & 0xffu), n1 = (int)(w1 >> 24);
+    row -= mat == 1 ? D : mat == 2 ? D + kvd : 0;  // the row in its matrix
     const int rb = mat == 6 ? rbf : rbd;
     const unsigned bytes = (unsigned)((n0 + n1) * rb);
     if (NTX_LQ_PROBE == 3) {
@@ -370,11 +403,14 @@ struct LqShared {
     uint16_t *knew, *vnew;
     uint16_t* kv;  // [LQ_KVS / 2] the chunk's first K rows, then as many V rows
     float* red_o;  // the p.V sums of the position groups
-    float* pr;     // [LQ_PMAX] a phase's row parts (gate/up: the gate rows', then the up rows'); the
-                   // attention's exp sums of the position groups
+    float* red_l;  // [NPG][G] the attention's exp sums of the position groups
     double* part;  // the norm's warp totals
     float* stat;   // [2][LQ_GMAX] the attention's running maxima (order-preserving ints)
-    int* flag;  // [0] the attention's last-chunk flag, [1] the phases released to the producer
+    uint2* desc;   // [LQ_SLOTS] the LqChunk a slot holds (the producer writes it before the slot's copies)
+    float* cpart;  // [LQ_SLOTS][LQ_WARPS] a chunk's row parts (gate/up: its gate rows', then its up rows')
+    int* ccnt;     // [LQ_SLOTS][LQ_WARPS] the parts of a chunk's output row written (the last writer adds them)
+    int* flag;  // [0] the attention's last-chunk flag, [1] the phases released to the producer, [2] [3] the ring
+                // trace's first chunk and layer, [4 + g] where consumer group g read its end of a phase
 };
 
 // The consumers have passed the grid's wait before phase q (4 layer + phase): the producer may issue it.
@@ -513,56 +549,61 @@ __device__ __forceinline__ float lq_row_dot(int row_off, int units, int pt, int 
     return acc;
 }
 
-// A phase's rows of this block against the activations in aq / ad, chunk by chunk from the ring;
-// out(row, total) gets each row's total (gate/up: out(row, g, u)) once the phase's chunks are all
-// read. Chunk i is read by warp group i % LQ_GROUPS alone (LQ_GW warps): each warp waits for the
-// slot, writes its rows' parts into s.pr and releases the slot itself (the "empty" mbarrier counts
-// a group's warps), so no barrier a chunk and the groups overlap; the block meets once at the end,
-// where the parts of a row are added in a fixed order. A chunk's rows (gate/up: its gate rows,
-// then its up rows) go to the group's warps, wpr warps a row when there are fewer rows than warps.
-// it: the ring's running chunk count (slot it % NTX_LQ_SLOTS, parity (it / NTX_LQ_SLOTS) & 1).
+// A phase's chunks against the activations in aq / ad, chunk by chunk from the ring, until each group
+// reads its end of the phase: the block's own rows, then the pool's chunks its producer claimed (NTX_LQ_POOL).
+// Chunk i is read by warp group i % LQ_GROUPS alone (LQ_GW warps): each warp waits for the slot, reads which
+// rows it holds (s.desc), computes its part of one of them and releases the slot itself (the "empty" mbarrier
+// counts a group's warps), so no barrier a chunk and the groups overlap. A chunk's rows (gate/up: its gate
+// rows, then its up rows) go to the group's warps, wpr warps a row when there are fewer rows than warps; where
+// an output takes several parts (wpr > 1, or gate/up's two rows) the warp that writes the last of them adds
+// them in a fixed order. out(row, total, up total, res[row]) gets each output row. it: the ring's running
+// chunk count (slot it % NTX_LQ_SLOTS, parity (it / NTX_LQ_SLOTS) & 1), past the phase's ends on return.
 template <class Out>
-__device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& it, Out out) {
+__device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& it, const float* res, Out out) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp / LQ_GW, wi = warp % LQ_GW;
-    const int r0 = lq_r0(a, ph, blockIdx.x), nr = lq_r0(a, ph, blockIdx.x + 1) - r0;
     const int rb = lq_row_bytes(a, ph), units = (ph == 3 ? a.F : a.D) / 32, rpc = lq_rpc(a, ph);
-    const int per = ph == 2 ? 2 : 1, wpr = max(1, LQ_GW / (per * rpc)), pt = wi % wpr;
-    unsigned i = it;
-    for (int row = 0; row < nr; ++i) {
-        const int n = lq_chunk_rows(a, ph, r0 + row, r0 + nr);
-        if ((int)(i % LQ_GROUPS) == grp) {
-            const int slot = i % NTX_LQ_SLOTS;
-            lq_wait_bar(s.full + slot, (i / NTX_LQ_SLOTS) & 1);
-            if (NTX_LQ_RTRACE && wi == 0 && lane == 0 && s.flag[3]) LQ_RMARK((int)(i - s.flag[2]), 1, global_ns());
-            for (int j = wi / wpr; j < per * n; j += LQ_GW / wpr) {
-                const float t = warp_sum(lq_row_dot(slot * LQ_SLOT + j * rb, units, pt, wpr));
-                const int r = j < n ? row + j : nr + row + j - n;  // up rows after the gate rows
-                if (lane == 0) s.pr[r * wpr + pt] = t;
+    const int per = ph == 2 ? 2 : 1, wpr = max(1, LQ_GW / (per * rpc)), pt = wi % wpr, j = wi / wpr;
+    unsigned i = it + (unsigned)((grp - (int)(it % LQ_GROUPS) + LQ_GROUPS) % LQ_GROUPS);  // the group's first chunk
+    for (;; i += LQ_GROUPS) {
+        const int slot = i % NTX_LQ_SLOTS;
+        lq_wait_bar(s.full + slot, (i / NTX_LQ_SLOTS) & 1);
+        if (NTX_LQ_RTRACE && wi == 0 && lane == 0 && s.flag[3]) LQ_RMARK((int)(i - s.flag[2]), 1, global_ns());
+        unsigned row, w1;
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(row), "=r"(w1) : "r"(lq_smem(s.desc + slot)) : "memory");
+        const int n = (int)(w1 & 0xffffu) + (int)(w1 >> 24);
+        for (int jj = j; jj < per * n; jj += LQ_GW / wpr) {  // a warp a row (part); two when rows outnumber warps
+            const int pj = jj < n ? jj : jj - n;  // the output row's place in the chunk
+            const float rv = res != nullptr && lane == 0 ? __ldcg(res + row + pj) : 0.f;
+            const float t = warp_sum(lq_row_dot(slot * LQ_SLOT + jj * rb, units, pt, wpr));
+            if (lane == 0) {
+                if (per * wpr == 1) {
+                    out((int)row + pj, t, 0.f, rv);
+                } else {
+                    float* cp = s.cpart + slot * LQ_WARPS;
+                    cp[jj * wpr + pt] = t;
+                    __threadfence_block();
+                    if (atomicAdd(s.ccnt + slot * LQ_WARPS + pj, 1) == per * wpr - 1) {  // the output's last part
+                        __threadfence_block();
+                        const volatile float* vp = cp;
+                        float g = 0.f, u = 0.f;
+                        for (int q = 0; q < wpr; ++q) g += vp[pj * wpr + q];
+                        if (per == 2)
+                            for (int q = 0; q < wpr; ++q) u += vp[(n + pj) * wpr + q];
+                        s.ccnt[slot * LQ_WARPS + pj] = 0;
+                        out((int)row + pj, g, u, rv);
+                    }
+                }
             }
-            __syncwarp();
-            if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(s.empty + slot)) : "memory");
         }
-        row += n;
+        __syncwarp();
+        if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(s.empty + slot)) : "memory");
+        if (n == 0) break;
     }
-    it = i;
+    if (wi == 0 && lane == 0) s.flag[4 + grp] = (int)i;
     LQ_SYNC();
-    for (int r = threadIdx.x; r < nr; r += LQ_THREADS) {
-        float t = 0.f, u = 0.f;
-        for (int q = 0; q < wpr; ++q) t += s.pr[r * wpr + q];
-        if (ph == 2)
-            for (int q = 0; q < wpr; ++q) u += s.pr[(nr + r) * wpr + q];
-        out(r0 + r, t, u);
-    }
-    LQ_SYNC();  // s.pr is read
-}
-
-// A residual phase (o, down): y = res + W x for the block's rows, the residual read before the
-// rows are multiplied (its load overlaps them).
-__device__ void lq_residual_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& it, const float* res,
-                                  float* y) {
-    const int r0 = lq_r0(a, ph, blockIdx.x), nr = lq_r0(a, ph, blockIdx.x + 1) - r0;
-    const float rv = threadIdx.x < nr ? __ldcg(res + r0 + threadIdx.x) : 0.f;
-    lq_phase(a, ph, s, it, [&](int r, float t, float) { y[r] = __fadd_rn(rv, t); });
+    unsigned e = 0;
+    for (int g = 0; g < LQ_GROUPS; ++g) e = max(e, (unsigned)s.flag[4 + g]);
+    it = e + 1;
 }
 
 // One (KV head, chunk) of the layer's attention for groups of G <= GM query heads; the head's last
@@ -670,7 +711,6 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
     LQ_SYNC();
     LQ_AMARK(8);
     // p.V and the exp sums: thread t the dims 2 dt, 2 dt + 1 of positions p0 + pg + NPG i
-    float* red_l = s.pr;  // [NPG][G] the position groups' exp sums (the phases' row parts are not in use)
     {
         const int dt = threadIdx.x % (HD / 2), pg = threadIdx.x / (HD / 2);
         float acc[GM][2], l[GM];
@@ -694,7 +734,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
             if (g >= G) break;
             s.red_o[(pg * G + g) * HD + 2 * dt] = acc[g][0];
             s.red_o[(pg * G + g) * HD + 2 * dt + 1] = acc[g][1];
-            if (dt == 0) red_l[pg * G + g] = l[g];
+            if (dt == 0) s.red_l[pg * G + g] = l[g];
         }
     }
     LQ_SYNC();
@@ -708,7 +748,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
     }
     if (threadIdx.x < G) {
         float l = 0.f;
-        for (int pg = 0; pg < NPG; ++pg) l += red_l[pg * G + threadIdx.x];
+        for (int pg = 0; pg < NPG; ++pg) l += s.red_l[pg * G + threadIdx.x];
         const int e = mx[threadIdx.x];
         mypart[threadIdx.x] = np > 0 ? __int_as_float(e >= 0 ? e : e ^ 0x7fffffff) : -3.402823466e38f;
         mypart[G + threadIdx.x] = np > 0 ? l : 0.f;
@@ -772,8 +812,11 @@ __device__ void lq_step(const LqArgs& a) {
         s.kv = reinterpret_cast<uint16_t*>(p); p += LQ_KVS;
         s.stat = reinterpret_cast<float*>(p); p += 4 * 2 * LQ_GMAX;
         s.part = reinterpret_cast<double*>(p); p += 8 * 32;
-        s.flag = reinterpret_cast<int*>(p); p += 16;
-        s.pr = reinterpret_cast<float*>(p); p += 4 * LQ_PMAX;
+        s.flag = reinterpret_cast<int*>(p); p += 32;
+        s.desc = reinterpret_cast<uint2*>(p); p += 8 * LQ_SLOTS;
+        s.cpart = reinterpret_cast<float*>(p); p += 4 * LQ_SLOTS * LQ_WARPS;
+        s.ccnt = reinterpret_cast<int*>(p); p += 4 * LQ_SLOTS * LQ_WARPS;
+        s.red_l = reinterpret_cast<float*>(p); p += 4 * NPG * G;
         s.layers = reinterpret_cast<LqLayer*>(p); p += sizeof(LqLayer) * LQ_MAX_LAYERS;
         s.chunks = reinterpret_cast<LqChunk*>(p); p += sizeof(LqChunk) * LQ_CMAX;
         s.full = reinterpret_cast<uint64_t*>(p); p += 8 * LQ_SLOTS;
@@ -789,6 +832,7 @@ __device__ void lq_step(const LqArgs& a) {
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         s.flag[1] = 0;  // the phases released to the producer (NTX_LQ_HOLD): 4 layer + phase
+        for (int i = 0; i < LQ_SLOTS * LQ_WARPS; ++i) s.ccnt[i] = 0;
     }
     __syncthreads();
     if (threadIdx.x >= LQ_THREADS) {  // the producer warp: the block's chunks in order, a slot as soon as it is read
@@ -800,31 +844,58 @@ __device__ void lq_step(const LqArgs& a) {
             while (f.layer == 0 && nc < LQ_CMAX) s.chunks[nc++] = f.next(a);
             if (f.layer == 0) __trap();  // more chunks than the list holds (cuda_layers.stack_unfit checks)
             const unsigned long long pol = lq_policy();
-            const int rbd = a.D / 32 * LQ_BQ, rbf = a.F / 32 * LQ_BQ;
+            const int rbd = a.D / 32 * LQ_BQ, rbf = a.F / 32 * LQ_BQ, kvd = lq_kvd(a);
             const unsigned tab = lq_smem(s.chunks), rel = lq_smem(s.flag + 1);
             unsigned i = 0;
+            int i0 = 0;  // NTX_LQ_RTRACE: the traced layer's first chunk
+            int nph = 0;  // chunks of the phase issued
+            // the next chunk (words row, w1) into the next slot once it is read; end: the end of a phase
+            auto put = [&](int layer, int ph, unsigned row, unsigned w1, bool end) {
+                const int slot = i % NTX_LQ_SLOTS;
+                if (i >= NTX_LQ_SLOTS) lq_wait_bar(s.empty + slot, (i / NTX_LQ_SLOTS - 1) & 1);
+                if (NTX_LQ_RTRACE && layer >= LQ_RT_LAYER) LQ_RMARK((int)(i - NTX_LQ_SLOTS) - i0, 2, global_ns());
+                // held until the consumers release the phase (lq_release)
+                if (!end && ((NTX_LQ_HOLD >> ph) & 1) && nph++ >= (ph == 3 ? NTX_LQ_PRE3 : 0)) {
+                    const int q = 4 * layer + ph;
+                    if (lq_lds_vol(rel) < q) {
+                        const unsigned long long t0 = global_ns();
+                        while (lq_lds_vol(rel) < q)
+                            if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();
+                    }
+                }
+                asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(lq_smem(s.desc + slot)), "r"(row), "r"(w1) : "memory");
+                if (end)
+                    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(s.full + slot)) : "memory");
+                else
+                    lq_issue(row, w1, lq_smem(s.layers + layer), rbd, rbf, a.D, kvd, s.ring + (size_t)slot * LQ_SLOT,
+                             s.full + slot, pol);
+                if (NTX_LQ_RTRACE && layer == LQ_RT_LAYER) {
+                    LQ_RMARK((int)i - i0, 0, global_ns());
+                    LQ_RMARK((int)i - i0, 3, (unsigned long long)ph);
+                }
+                ++i;
+            };
             for (int layer = 0; layer < a.n_layers; ++layer) {
-                const unsigned lyr = lq_smem(s.layers + layer);
-                for (int c = 0; c < nc; ++c, ++i) {
-                    const int slot = i % NTX_LQ_SLOTS;
-                    if (i >= NTX_LQ_SLOTS) lq_wait_bar(s.empty + slot, (i / NTX_LQ_SLOTS - 1) & 1);
-                    if (NTX_LQ_RTRACE && layer >= LQ_RT_LAYER) LQ_RMARK((int)(i - NTX_LQ_SLOTS) - LQ_RT_LAYER * nc, 2, global_ns());
-                    unsigned row, w1;
-                    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(row), "=r"(w1) : "r"(tab + 8u * (unsigned)c) : "memory");
-                    const int ph = lq_chunk_ph(w1);
-                    if ((NTX_LQ_HOLD >> ph) & 1) {  // held until the consumers release the phase (lq_release)
-                        const int q = 4 * layer + ph;
-                        if (lq_lds_vol(rel) < q) {
-                            const unsigned long long t0 = global_ns();
-                            while (lq_lds_vol(rel) < q)
-                                if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();
-                        }
+                if (NTX_LQ_RTRACE && layer == LQ_RT_LAYER) i0 = (int)i;
+                unsigned* pools = a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv) + LQ_POOLCTR;
+                int c = 0;
+                for (int ph = 0; ph < 4; ++ph) {
+                    nph = 0;
+                    const int npool = lq_pool(a, ph), pool0 = lq_owned(a, ph), rpc = lq_rpc(a, ph);
+                    for (; c < nc; ++c) {  // the block's own chunks of the phase
+                        unsigned row, w1;
+                        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(row), "=r"(w1) : "r"(tab + 8u * (unsigned)c) : "memory");
+                        if (lq_chunk_ph(w1) != ph) break;
+                        put(layer, ph, row, w1, false);
                     }
-                    lq_issue(row, w1, lyr, rbd, rbf, s.ring + (size_t)slot * LQ_SLOT, s.full + slot, pol);
-                    if (NTX_LQ_RTRACE && layer == LQ_RT_LAYER) {
-                        LQ_RMARK(c, 0, global_ns());
-                        LQ_RMARK(c, 3, (unsigned long long)ph);
+                    while (npool > 0) {  // the pool's chunks, while there are any
+                        unsigned k;
+                        asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;" : "=r"(k) : "l"(pools + ph) : "memory");
+                        if ((int)k >= npool) break;
+                        const LqChunk e = lq_chunk(a, ph, pool0 + (int)k * rpc, rpc);
+                        put(layer, ph, e.row, lq_chunk_w1(e), false);
                     }
+                    for (int g = 0; g < LQ_GROUPS; ++g) put(layer, ph, 0u, 0u, true);  // each group's end of the phase
                 }
             }
         }
@@ -852,7 +923,7 @@ __device__ void lq_step(const LqArgs& a) {
         LQ_MARK(1);
         lq_norm_row(xin, L.attn_norm, a.D, a.eps, s);
         LQ_MARK(2);
-        lq_phase(a, 0, s, it, [&](int r, float t, float) { a.qkv[r] = t; });
+        lq_phase(a, 0, s, it, nullptr, [&](int r, float t, float, float) { a.qkv[r] = t; });
         LQ_MARK(3);
         lq_signal(ctr + 0);
         if ((int)blockIdx.x < a.n_kv * a.chunks) {  // each waits for every q/k/v row inside
@@ -873,7 +944,7 @@ __device__ void lq_step(const LqArgs& a) {
         lq_quant_row(a.att, a.D, s);
         LQ_MARK(6);
         LQ_AMARK(13);
-        lq_residual_phase(a, 1, s, it, xin, a.xa);
+        lq_phase(a, 1, s, it, xin, [&](int r, float t, float, float rv) { a.xa[r] = __fadd_rn(rv, t); });
         LQ_MARK(7);
         lq_signal(ctr + 2);
         lq_wait(ctr + 2, P);
@@ -881,14 +952,14 @@ __device__ void lq_step(const LqArgs& a) {
         LQ_MARK(8);
         lq_norm_row(a.xa, L.ffn_norm, a.D, a.eps, s);
         LQ_MARK(9);
-        lq_phase(a, 2, s, it, [&](int r, float g, float u) { a.hid[r] = ntx_swiglu(g, u); });
+        lq_phase(a, 2, s, it, nullptr, [&](int r, float g, float u, float) { a.hid[r] = ntx_swiglu(g, u); });
         LQ_MARK(10);
         lq_signal(ctr + 3);
         lq_wait(ctr + 3, P);
         LQ_MARK(11);
         lq_quant_share(a.hid, a.F, a.hq, a.hqd, ctr + 5, s, 4 * layer + 3);
         LQ_MARK(12);
-        lq_residual_phase(a, 3, s, it, a.xa, a.xb);
+        lq_phase(a, 3, s, it, a.xa, [&](int r, float t, float, float rv) { a.xb[r] = __fadd_rn(rv, t); });
         LQ_MARK(13);
         lq_signal(ctr + 4);
     }

@@ -2,8 +2,8 @@
 
 One block an SM runs every layer; a ring of shared-memory slots is kept filled with the block's
 next weight rows by bulk copies, so the weights stream while the norms, the attention and the
-waits between the ops run. The blocks meet at counters in global memory, zeroed before each
-launch. It runs where every layer matrix is Q8_0 and the shapes fit (`stack_unfit` says why not);
+waits between the ops run; the last 10 % of the gate/up and down rows go to the blocks that claim
+them first. The blocks meet at counters in global memory, zeroed before each launch. It runs where every layer matrix is Q8_0 and the shapes fit (`stack_unfit` says why not);
 the backend's op-by-op kernels run everything else, and the step's head (final norm, output
 matmul, argmax) after it.
 """
@@ -25,7 +25,7 @@ ACT_BYTES = KMAX + 4 * (KMAX // 32)  # LQ_ACT: also the attention's scores
 GMAX = 8  # LQ_GMAX: query heads a KV head
 KVS = 32768  # LQ_KVS: shared memory for the attention chunk's first K and V rows
 NORM_MAX = 16 * THREADS  # LQ_NV values a thread
-NCTR = 6  # LQ_NCTR: counters a layer before the KV heads'
+NCTR = 10  # LQ_NCTR: counters a layer before the KV heads' (6..9: the phases' pools)
 TRACE_MARKS = 14  # LQ_MARKS: the trace points a layer
 MAX_CHUNKS = 32  # context chunks a KV head
 MAX_LAYERS = 96  # LQ_MAX_LAYERS: layer descriptors in shared memory
@@ -33,7 +33,6 @@ CHUNK_MAX = 256  # LQ_CMAX: ring chunks of a layer a block (the producer's list)
 CHUNK_BYTES = 8  # sizeof(LqChunk)
 LAYER_BYTES = 8 * 11  # sizeof(LqLayer)
 STATIC_SMEM = 512  # at least the kernel's static shared memory (ptxas: 384 bytes)
-PMAX = 1024  # LQ_PMAX: a phase's row parts a block (rows x warps a row)
 GROUPS = 2  # LQ_GROUPS: consumer warp groups (chunk i: group i % GROUPS)
 HEAD_DIMS = (64, 128)  # the kernels built (layer_q8_hd64, layer_q8_hd128)
 LAYER_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm", "ffn_norm")  # + k, v caches
@@ -43,8 +42,8 @@ def stack_smem(head_dim: int, group: int) -> int:
     """Dynamic shared memory of the kernel for this head shape (lq_step's layout)."""
     npg = THREADS // (head_dim // 2)
     return (SLOTS * SLOT + ACT_BYTES + 4 * GMAX * head_dim + 4 * npg * group * head_dim
-            + 2 * 2 * head_dim + KVS + 4 * 2 * GMAX + 8 * 32 + 16 + 4 * PMAX
-            + LAYER_BYTES * MAX_LAYERS + CHUNK_BYTES * CHUNK_MAX + 2 * 8 * SLOTS)
+            + 2 * 2 * head_dim + KVS + 4 * 2 * GMAX + 8 * 32 + 32 + 8 * SLOTS + 2 * 4 * SLOTS * (THREADS // 32)
+            + 4 * npg * group + LAYER_BYTES * MAX_LAYERS + CHUNK_BYTES * CHUNK_MAX + 2 * 8 * SLOTS)
 
 
 def chunk_rows(row_bytes: int, pair: bool) -> int:
@@ -54,13 +53,6 @@ def chunk_rows(row_bytes: int, pair: bool) -> int:
     while 2 * rpc * per <= THREADS // 32 and 2 * rpc * per * row_bytes <= SLOT - 16:
         rpc *= 2
     return rpc
-
-
-def phase_parts(rows: int, row_bytes: int, pair: bool, sm_count: int) -> int:
-    """Row parts one block keeps for a phase (lq_phase): its rows (gate/up: twice) x warps a row."""
-    per = 2 if pair else 1
-    wpr = max(1, THREADS // 32 // GROUPS // (per * chunk_rows(row_bytes, pair)))
-    return -(-rows // sm_count) * per * wpr
 
 
 def layer_chunks(cfg: ModelConfig, sm_count: int) -> int:
@@ -96,13 +88,10 @@ def stack_unfit(cfg: ModelConfig, layers: list, n_ctx: int, cc: tuple[int, int],
             w = getattr(lw, name, None)
             if getattr(w, "ggml_type", None) != GGMLType.Q8_0:
                 return f"{getattr(w, 'name', name)} is {getattr(getattr(w, 'ggml_type', None), 'name', type(w).__name__)}, not Q8_0"
-    rb_d, rb_f, kv = d // 32 * 34, f // 32 * 34, cfg.n_head_kv * hd
-    parts = max(phase_parts(d + 2 * kv, rb_d, False, sm_count), phase_parts(d, rb_d, False, sm_count),
-                phase_parts(f, rb_d, True, sm_count), phase_parts(d, rb_f, False, sm_count))
     chunks = layer_chunks(cfg, sm_count)
-    if len(layers) > MAX_LAYERS or parts > PMAX or -(-d // sm_count) > THREADS or chunks > CHUNK_MAX:
-        return (f"{len(layers)} layers, {d} x {f} rows on {sm_count} SMs: {parts} row parts and {chunks} ring "
-                f"chunks a layer an SM (at most {MAX_LAYERS} layers, {PMAX} parts, {CHUNK_MAX} chunks)")
+    if len(layers) > MAX_LAYERS or chunks > CHUNK_MAX:
+        return (f"{len(layers)} layers, {d} x {f} rows on {sm_count} SMs: {chunks} ring chunks a layer an SM "
+                f"(at most {MAX_LAYERS} layers, {CHUNK_MAX} chunks)")
     smem = stack_smem(hd, group)
     if smem + STATIC_SMEM > smem_optin:
         return f"needs {smem} bytes of shared memory a block, the GPU allows {smem_optin}"
@@ -147,8 +136,9 @@ class StackDecode:
         self.trace: DeviceArray | None = None
 
     def start_trace(self) -> None:
-        """Have the next launches record every block's clock at the kernel's trace points (read_trace)."""
-        self.trace = self.b._new(self.n_layers * TRACE_MARKS * self.blocks, dtype=np.uint64)
+        """Have the next launches record every block's clock at the kernel's trace points (read_trace), into
+        a zeroed buffer (an NTX_LQ_RTRACE build writes only some of it: scripts/bench_stack_ring.py)."""
+        self.trace = upload(self.b.pool, np.zeros(self.n_layers * TRACE_MARKS * self.blocks, np.uint64), self.b.stream)
 
     def read_trace(self) -> np.ndarray:
         """The last launch's clock marks (ns; SM cycles in an NTX_LQ_CLK build), shaped (layers, TRACE_MARKS,

@@ -43,8 +43,8 @@ def test_llama3_8b_q8_0_fits_the_h200():
     (dict(cfg=_cfg(n_ff=14000)), "n_ff 14000"),
     (dict(cfg=_cfg(n_ff=28672)), "n_ff 28672"),
     (dict(layers=_layers(n=97)), "97 layers"),
-    (dict(sm_count=8), "3584 row parts and"),  # 1792 gate/up pairs a block: more parts than LQ_PMAX
-    (dict(cfg=_cfg(n_ff=4096), sm_count=8), "354 ring chunks"),  # 1024 parts (the most), more chunks than LQ_CMAX
+    (dict(sm_count=8), "866 ring chunks"),  # 1792 gate/up pairs a block: more chunks than LQ_CMAX
+    (dict(cfg=_cfg(n_ff=4096), sm_count=8), "354 ring chunks"),
     (dict(n_ctx=1 << 20), "n_ctx 1048576 is too long"),
     (dict(smem_optin=166912), "shared memory"),
 ])
@@ -66,9 +66,9 @@ def test_the_host_mirrors_the_kernels_constants():
     macro = {m: int(v) for m, v in re.findall(r"^#define (LQ_\w+) (\d+)\b", src, re.M)}
     assert {"LQ_THREADS": cl.THREADS, "LQ_SLOTS": cl.SLOTS, "LQ_SLOT": cl.SLOT, "LQ_KMAX": cl.KMAX,
             "LQ_GMAX": cl.GMAX, "LQ_NCTR": cl.NCTR, "LQ_MARKS": cl.TRACE_MARKS, "LQ_MAX_LAYERS": cl.MAX_LAYERS,
-            "LQ_PMAX": cl.PMAX, "LQ_GROUPS": cl.GROUPS, "LQ_KVS": cl.KVS, "LQ_NV": cl.NORM_MAX // cl.THREADS,
+            "LQ_GROUPS": cl.GROUPS, "LQ_KVS": cl.KVS, "LQ_NV": cl.NORM_MAX // cl.THREADS,
             "LQ_CMAX": cl.CHUNK_MAX} == {k: macro[k] for k in (
-        "LQ_THREADS", "LQ_SLOTS", "LQ_SLOT", "LQ_KMAX", "LQ_GMAX", "LQ_NCTR", "LQ_MARKS", "LQ_MAX_LAYERS", "LQ_PMAX",
+        "LQ_THREADS", "LQ_SLOTS", "LQ_SLOT", "LQ_KMAX", "LQ_GMAX", "LQ_NCTR", "LQ_MARKS", "LQ_MAX_LAYERS",
         "LQ_GROUPS", "LQ_KVS", "LQ_NV", "LQ_CMAX")}
     fields = re.search(r"struct LqLayer \{[^}]*\}", src).group(0)
     assert len(re.findall(r"\*\s*\w+", fields)) * 8 == cl.LAYER_BYTES == 8 * (len(cl.LAYER_FIELDS) + 2)

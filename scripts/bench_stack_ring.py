@@ -1,0 +1,66 @@
+"""How the "stack" decode's weight ring keeps up (backends/cuda_layers.py, native/cuda/layer_q8.cu built with
+-DNTX_LQ_RTRACE=1): for every chunk of one layer (LQ_RT_LAYER) each block records when its producer issued
+the copies, when the consumers' group saw the slot full and when the producer saw it read again. Per phase
+this prints the median and 90th percentile over blocks and steps of a chunk's fill (issue -> full),
+consumption (full -> read), the slot's idle time (read -> the next issue into it) and the time between a
+block's consecutive chunks of the phase; a phase's end markers count as chunks.
+
+    NTX_CUDA_DEFINES=-DNTX_LQ_RTRACE=1 python3 scripts/bench_stack_ring.py MODEL.gguf [PROMPT_TOKENS]
+
+(an all-Q8_0 model, e.g. make_synthetic_model.py --shape llama3-8b --mix q8_0)."""
+import os
+import sys
+
+import numpy as np
+from ntx_engine.backends.cuda_backend import CudaBackend
+from ntx_engine.backends.cuda_layers import SLOTS, TRACE_MARKS
+from ntx_engine.config import ModelConfig
+from ntx_engine.gguf import GGUFFile
+from ntx_engine.model import Transformer, WeightLoader
+
+MAX_CHUNKS, PHASES = 100, ("q/k/v", "o", "gate/up", "down")  # LQ_RT_MAX; the phases' order in a layer
+if len(sys.argv) < 2:
+    sys.exit(__doc__)
+if "NTX_LQ_RTRACE=1" not in os.environ.get("NTX_CUDA_DEFINES", ""):
+    sys.exit("build the kernel with the ring trace: NTX_CUDA_DEFINES=-DNTX_LQ_RTRACE=1")
+path, npr = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 512
+gf = GGUFFile.open(path)
+cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
+b = CudaBackend(fuse="all,stack")
+m = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 1024)
+m.forward(np.random.default_rng(0).integers(0, cfg.vocab_size, npr), 0)
+for i in range(3):
+    m.forward(np.asarray([1]), npr + i)
+st = b.stack
+if st is None:
+    sys.exit(f"the stack decode does not run this model: {b.stack_why_not}")
+if cfg.n_layers * TRACE_MARKS < 4 * MAX_CHUNKS:
+    sys.exit(f"{cfg.n_layers} layers: the ring trace needs at least {-(-4 * MAX_CHUNKS // TRACE_MARKS)}")
+rows: dict[int, list[dict]] = {ph: [] for ph in range(len(PHASES))}
+steps = 4
+for rep in range(steps):
+    st.start_trace()  # zeroed: a chunk never issued reads 0
+    m.forward(np.asarray([1]), npr + 3 + rep)
+    t = st.read_trace().reshape(-1, st.blocks)[:4 * MAX_CHUNKS].astype(np.int64).reshape(MAX_CHUNKS, 4, st.blocks)
+    for blk in range(st.blocks):
+        issue, full, free, ph = (t[:, e, blk] for e in range(4))
+        n = int(np.argmax(issue == 0)) if (issue == 0).any() else MAX_CHUNKS
+        for k in range(n):
+            rows[int(ph[k])].append(dict(
+                fill=(full[k] - issue[k]) / 1e3,
+                cons=(free[k] - full[k]) / 1e3 if free[k] else np.nan,
+                idle=(issue[k + SLOTS] - free[k]) / 1e3 if k + SLOTS < n and free[k] else np.nan,
+                gap=(full[k] - full[k - 1]) / 1e3 if k and ph[k - 1] == ph[k] else np.nan))
+
+
+def stat(r: list[dict], key: str) -> str:
+    v = np.array([x[key] for x in r], float)
+    v = v[np.isfinite(v)]
+    return f"{np.median(v):6.2f} /{np.percentile(v, 90):6.2f}" if len(v) else "-"
+
+
+print(f"{'phase':8s} {'chunks':>7s} {'fill':>14s} {'consume':>14s} {'idle':>14s} {'full gap':>14s}  (us: median / p90)")
+for ph, name in enumerate(PHASES):
+    r = rows[ph]
+    print(f"{name:8s} {len(r) / steps / st.blocks:7.1f} {stat(r, 'fill'):>14s} {stat(r, 'cons'):>14s} "
+          f"{stat(r, 'idle'):>14s} {stat(r, 'gap'):>14s}")
