@@ -1,7 +1,9 @@
 """Where a "stack" decode step's time goes (backends/cuda_layers.py, native/cuda/layer_q8.cu): every
 block's thread 0 writes the GPU clock at the kernel's LQ_MARK points of each layer; this prints, per
 point, when the first, the median and the last block reached it (us after the layer's first block
-started) and the median and max time of the stage before it, averaged over the inner layers.
+started) and the median and max time of the stage before it, averaged over the inner layers; then, for
+each streaming phase, how long after the median block the last one ends it, the blocks that end it latest
+on average and how alike the layers' lateness patterns are (1: the same blocks are late in every layer).
 
     python3 scripts/bench_stack_trace.py MODEL.gguf [PROMPT_TOKENS]
 
@@ -49,3 +51,13 @@ for k in range(TRACE_MARKS):
     d = (t[:, k, :] - t[:, k - 1, :])[L] / 1e3 if k else rel
     print(f"{NAMES[k]:16s} {rel.min(axis=1).mean():8.2f} {np.median(rel, axis=1).mean():8.2f} {rel.max(axis=1).mean():8.2f}"
           f"  | {np.median(d, axis=1).mean():7.2f} {d.max(axis=1).mean():7.2f}")
+if "NTX_LQ_ATRACE=1" not in os.environ.get("NTX_CUDA_DEFINES", ""):
+    # which blocks end the streaming phases late, and whether the same ones do in every layer
+    print(f"{'phase end':16s} {'max-median':>10s}  latest blocks (mean us after the median block) | pattern corr over layers")
+    for k in (3, 7, 10, 13):
+        late = (t[L, k, :] - np.median(t[L, k, :], axis=1, keepdims=True)) / 1e3
+        mean = late.mean(axis=0)
+        order = np.argsort(mean)[::-1][:6]
+        corr = np.nanmean([np.corrcoef(row, mean)[0, 1] for row in late]) if late.std() > 0 else float("nan")
+        blocks = " ".join(f"{b}:{mean[b]:.2f}" for b in order)
+        print(f"{NAMES[k]:16s} {late.max(axis=1).mean():10.2f}  {blocks} | {corr:.2f}")
