@@ -12,11 +12,8 @@ import os
 import sys
 
 import numpy as np
-from ntx_engine.backends.cuda_backend import CudaBackend
 from ntx_engine.backends.cuda_layers import SLOTS, TRACE_MARKS
-from ntx_engine.config import ModelConfig
-from ntx_engine.gguf import GGUFFile
-from ntx_engine.model import Transformer, WeightLoader
+from stack_bench import stack_model
 
 MAX_CHUNKS, PHASES = 100, ("q/k/v", "o", "gate/up", "down")  # LQ_RT_MAX; the phases' order in a layer
 if len(sys.argv) < 2:
@@ -24,16 +21,7 @@ if len(sys.argv) < 2:
 if "NTX_LQ_RTRACE=1" not in os.environ.get("NTX_CUDA_DEFINES", ""):
     sys.exit("build the kernel with the ring trace: NTX_CUDA_DEFINES=-DNTX_LQ_RTRACE=1")
 path, npr = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 512
-gf = GGUFFile.open(path)
-cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
-b = CudaBackend(fuse="all,stack")
-m = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 1024)
-m.forward(np.random.default_rng(0).integers(0, cfg.vocab_size, npr), 0)
-for i in range(3):
-    m.forward(np.asarray([1]), npr + i)
-st = b.stack
-if st is None:
-    sys.exit(f"the stack decode does not run this model: {b.stack_why_not}")
+cfg, m, st = stack_model(path, npr)
 if cfg.n_layers * TRACE_MARKS < 4 * MAX_CHUNKS:
     sys.exit(f"{cfg.n_layers} layers: the ring trace needs at least {-(-4 * MAX_CHUNKS // TRACE_MARKS)}")
 rows: dict[int, list[dict]] = {ph: [] for ph in range(len(PHASES))}

@@ -14,11 +14,8 @@ import os
 import sys
 
 import numpy as np
-from ntx_engine.backends.cuda_backend import CudaBackend
 from ntx_engine.backends.cuda_layers import TRACE_MARKS
-from ntx_engine.config import ModelConfig
-from ntx_engine.gguf import GGUFFile
-from ntx_engine.model import Transformer, WeightLoader
+from stack_bench import stack_model
 
 NAMES = ["start", "wait prev down", "norm1", "qkv rows", "attention", "wait attn", "quant att", "o rows",
          "wait o", "norm2", "gate/up rows", "wait gu", "quant h", "down rows"]
@@ -28,16 +25,7 @@ if "NTX_LQ_ATRACE=1" in os.environ.get("NTX_CUDA_DEFINES", ""):  # marks 4..13 a
 if len(sys.argv) < 2:
     sys.exit(__doc__)
 path, npr = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 512
-gf = GGUFFile.open(path)
-cfg = ModelConfig.from_gguf(gf.metadata, frozenset(gf.tensors))
-b = CudaBackend(fuse="all,stack")
-m = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 1024)
-m.forward(np.random.default_rng(0).integers(0, cfg.vocab_size, npr), 0)
-for i in range(3):
-    m.forward(np.asarray([1]), npr + i)
-st = b.stack
-if st is None:
-    sys.exit(f"the stack decode does not run this model: {b.stack_why_not}")
+cfg, m, st = stack_model(path, npr)
 st.start_trace()
 for i in range(3):
     m.forward(np.asarray([1]), npr + 3 + i)
@@ -58,6 +46,7 @@ if "NTX_LQ_ATRACE=1" not in os.environ.get("NTX_CUDA_DEFINES", ""):
         late = (t[L, k, :] - np.median(t[L, k, :], axis=1, keepdims=True)) / 1e3
         mean = late.mean(axis=0)
         order = np.argsort(mean)[::-1][:6]
-        corr = np.nanmean([np.corrcoef(row, mean)[0, 1] for row in late]) if late.std() > 0 else float("nan")
+        rows = [row for row in late if row.std() > 0]  # a layer whose blocks all end together has no pattern
+        corr = np.mean([np.corrcoef(row, mean)[0, 1] for row in rows]) if rows and mean.std() > 0 else float("nan")
         blocks = " ".join(f"{b}:{mean[b]:.2f}" for b in order)
         print(f"{NAMES[k]:16s} {late.max(axis=1).mean():10.2f}  {blocks} | {corr:.2f}")
