@@ -3,9 +3,9 @@
 One block an SM runs every layer; a ring of shared-memory slots is kept filled with the block's
 next weight rows by bulk copies, so the weights stream while the norms, the attention and the
 waits between the ops run; the last 10 % of the gate/up and down rows go to the blocks that claim
-them first. The blocks meet at counters in global memory, zeroed before each launch. It runs where every layer matrix is Q8_0 and the shapes fit (`stack_unfit` says why not);
-the backend's op-by-op kernels run everything else, and the step's head (final norm, output
-matmul, argmax) after it.
+them first. The blocks meet at counters in global memory, zeroed before each launch. It runs where
+every layer matrix is Q8_0 and the shapes fit (`stack_unfit` says why not); the backend's op-by-op
+kernels run everything else, and the step's head (final norm, output matmul, argmax) after it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ ACT_BYTES = KMAX + 4 * (KMAX // 32)  # LQ_ACT: also the attention's scores
 GMAX = 8  # LQ_GMAX: query heads a KV head
 KVS = 32768  # LQ_KVS: shared memory for the attention chunk's first K and V rows
 NORM_MAX = 16 * THREADS  # LQ_NV values a thread
-NCTR = 10  # LQ_NCTR: counters a layer before the KV heads' (6..9: the phases' pools)
+NCTR = 10  # LQ_NCTR: counters a layer before the KV heads' (LQ_POOLCTR = 6..9: the phases' pools)
 TRACE_MARKS = 14  # LQ_MARKS: the trace points a layer
 MAX_CHUNKS = 32  # context chunks a KV head
 MAX_LAYERS = 96  # LQ_MAX_LAYERS: layer descriptors in shared memory
