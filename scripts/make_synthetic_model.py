@@ -70,6 +70,7 @@ T = GGMLType
 MIXES = {
     "q4_k_m": (T.Q4_K, {"attn_v": T.Q6_K, "ffn_down": T.Q6_K, "output": T.Q6_K}),
     "q8_0": (T.Q8_0, {}),
+    "q4_k": (T.Q4_K, {"output": T.Q6_K}),
     "q6_k": (T.Q6_K, {}),
     "f16": (T.F16, {}),
     "q4_1": (T.Q4_1, {"token_embd": T.Q8_0}),

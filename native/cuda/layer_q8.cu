@@ -59,7 +59,7 @@
 static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ring's slots per group");
 #define LQ_SLOT 34832      // bytes a ring slot (16 of them padding: a unit is read as nine aligned words)
 #define LQ_KMAX 16384      // the longest activation row (int8 values in shared memory)
-#define LQ_ACT (LQ_KMAX + 4 * (LQ_KMAX / 32))  // Q8_1 values and scales; the attention's scores alias it
+#define LQ_ACT (LQ_KMAX + 8 * (LQ_KMAX / 32))  // Q8_1 values, scales and sums; the attention's scores alias it
 #define LQ_ACT_OFF (LQ_SLOTS * LQ_SLOT)  // where the activations start in the dynamic shared memory (after the ring)
 #define LQ_NV 16           // norm values a thread (rows of at most LQ_NV * LQ_THREADS)
 #define LQ_GMAX 8          // query heads a KV head
@@ -143,6 +143,7 @@ struct LqArgs {
     int neox;
     int D, F, n_head, n_kv, chunks;
     float eps, scale;
+    unsigned types;  // nibble m: matrix m's weight type (LqLayer's order; LQ_Q8_0, LQ_Q4_K, LQ_Q6_K), every layer alike
     unsigned long long* trace;
 };
 
@@ -150,7 +151,7 @@ struct LqArgs {
     const LqLayer *layers, int n_layers, const float *x0, float *xa, float *xb, float *qkv, float *att, float *hid, \
         float *part, int8_t *hq, float *hqd, unsigned *ctr, const int *pos, const float *rope_ff, int rope_dim, float rope_scale,           \
         float freq_scale, int neox, int D, int F, int n_head, int n_kv, int chunks, float eps, float scale,     \
-        unsigned long long *trace
+        unsigned types, unsigned long long *trace
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
@@ -269,20 +270,50 @@ __device__ __forceinline__ int lq_rows(const LqArgs& a, int ph) {
     const int kvd = lq_kvd(a);
     return ph == 0 ? a.D + 2 * kvd : ph == 2 ? a.F : a.D;
 }
-__device__ __forceinline__ int lq_row_bytes(const LqArgs& a, int ph) { return (ph == 3 ? a.F : a.D) / 32 * LQ_BQ; }
-// Rows a chunk (a ring slot): the largest power of two whose bytes fit a slot and whose rows (gate
-// and up: twice as many) do not outnumber the warps.
-__device__ __forceinline__ int lq_rpc(const LqArgs& a, int ph) {
-    const int rb = lq_row_bytes(a, ph) * (ph == 2 ? 2 : 1), per = ph == 2 ? 2 : 1;
-    int r = 1;
-    while (2 * r * per <= LQ_WARPS && 2 * r * rb <= LQ_SLOT - 16) r *= 2;
-    return r;
+// The weight types a matrix may have (cuda_layers.TYPE_CODES), and what the ring and the consumers need of
+// each matrix (lq_mt, filled once by lq_mat_init): its row bytes, 32-value units a row, type, rows a chunk and
+// log2 of the warps a row (gate: its chunk holds as many up rows, up has gate's type).
+#define LQ_Q8_0 0
+#define LQ_Q4_K 1  // 144-byte blocks of 256 values: d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
+#define LQ_Q6_K 2  // 210-byte blocks of 256 values: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d
+struct LqMat {
+    int rb, units, type, rpc, pair, lw;  // pair: lq_phase's items are row pairs, lw: log2 of the warps an item
+};
+__shared__ LqMat lq_mt[7];
+
+__device__ __forceinline__ int lq_ph_mat(int ph) { return ph == 0 ? 0 : ph == 1 ? 3 : ph == 2 ? 4 : 6; }
+// Rows a chunk (a ring slot) of rows of rb bytes (per 2: gate rows, each with its up row): as many as fit a slot
+// where that gives the 8 warps of a group 7 or 8 row pairs (lq_phase), else the largest power of two that fits
+// (a row pair then split evenly among 2, 4 or 8 warps).
+__device__ int lq_fit_rows(int rb, int per) {
+    const int r = (LQ_SLOT - 16) / (rb * per);
+    if (r * per >= 2 * LQ_GW - 2) return min(r, 2 * LQ_GW / per);
+    int p = 1;
+    while (2 * p <= r) p *= 2;
+    return p;
 }
+// lq_mt from a.types (thread 0, before the block's first barrier).
+__device__ void lq_mat_init(const LqArgs& a) {
+    for (int m = 0; m < 7; ++m) {
+        const int k = m == 6 ? a.F : a.D, type = (int)(a.types >> (4 * m)) & 15, per = m == 4 ? 2 : 1;
+        const int rb = type == LQ_Q4_K ? k / 256 * 144 : type == LQ_Q6_K ? k / 256 * 210 : k / 32 * LQ_BQ;
+        const int rpc = lq_fit_rows(rb, per);
+        // items: gate/up row pairs, pairs of rows where they outnumber the warps of a group, else single rows
+        const int pair = per == 2 || rpc > LQ_GW, items = per == 2 ? rpc : pair ? (rpc + 1) / 2 : rpc;
+        int lw = 0;
+        while ((2 << lw) * items <= LQ_GW) ++lw;
+        lq_mt[m] = {rb, k / 32, type, rpc, pair, lw};
+    }
+}
+// Rows a chunk of phase ph (of q|k|v: of q's).
+__device__ __forceinline__ int lq_rpc(int ph) { return lq_mt[lq_ph_mat(ph)].rpc; }
 // Chunks of a phase in its pool (its last rows), and the rows before them, which the blocks own in even shares.
 __device__ __forceinline__ int lq_pool(const LqArgs& a, int ph) {
-    return (NTX_LQ_POOLPH >> ph) & 1 ? lq_rows(a, ph) * NTX_LQ_POOL / 100 / lq_rpc(a, ph) : 0;
+    // (a q|k|v pool only where q, k and v have one type: its chunks may cross a matrix boundary)
+    if (ph == 0 && (lq_mt[1].type != lq_mt[0].type || lq_mt[2].type != lq_mt[0].type)) return 0;
+    return (NTX_LQ_POOLPH >> ph) & 1 ? lq_rows(a, ph) * NTX_LQ_POOL / 100 / lq_rpc(ph) : 0;
 }
-__device__ __forceinline__ int lq_owned(const LqArgs& a, int ph) { return lq_rows(a, ph) - lq_pool(a, ph) * lq_rpc(a, ph); }
+__device__ __forceinline__ int lq_owned(const LqArgs& a, int ph) { return lq_rows(a, ph) - lq_pool(a, ph) * lq_rpc(ph); }
 __device__ __forceinline__ int lq_r0(const LqArgs& a, int ph, int b) {
     return (int)((unsigned)b * (unsigned)lq_owned(a, ph) / gridDim.x);
 }
@@ -297,10 +328,17 @@ __device__ __forceinline__ int lq_mat_end(const LqArgs& a, int ph, int row) {
 #ifndef NTX_LQ_XMAT
 #define NTX_LQ_XMAT 1
 #endif
-// Rows of the chunk that starts at row `row` of a block's phase rows ending at r1.
+// The matrix (LqLayer's order) holding row `row` of phase ph.
+__device__ __forceinline__ int lq_row_mat(const LqArgs& a, int ph, int row) {
+    const int kvd = lq_kvd(a);
+    return ph == 0 ? (row < a.D ? 0 : row < a.D + kvd ? 1 : 2) : lq_ph_mat(ph);
+}
+// Rows of the chunk that starts at row `row` of a block's phase rows ending at r1 (it crosses into the next
+// matrix only where that has the same type).
 __device__ __forceinline__ int lq_chunk_rows(const LqArgs& a, int ph, int row, int r1) {
-    const int n = min(lq_rpc(a, ph), r1 - row);
-    return NTX_LQ_XMAT ? n : min(n, lq_mat_end(a, ph, row) - row);
+    const int m = lq_row_mat(a, ph, row), n = min(lq_mt[m].rpc, r1 - row);
+    const bool cross = NTX_LQ_XMAT && m < 2 && lq_mt[m + 1].type == lq_mt[m].type;
+    return cross ? n : min(n, lq_mat_end(a, ph, row) - row);
 }
 // A ring chunk of a layer: rows row .. row + n0 + n1 - 1 of its phase (q|k|v: of the three matrices' rows in
 // turn), n0 of them in weight matrix mat (LqLayer's order: q, k, v, o, gate, up, down), n1 in matrix mat + 1 (a
@@ -315,8 +353,7 @@ struct LqChunk {
 
 // The chunk of n rows of phase ph from row `row`.
 __device__ __forceinline__ LqChunk lq_chunk(const LqArgs& a, int ph, int row, int n) {
-    const int kvd = lq_kvd(a), n0 = min(n, lq_mat_end(a, ph, row) - row);
-    const int mat = ph == 0 ? (row < a.D ? 0 : row < a.D + kvd ? 1 : 2) : ph == 1 ? 3 : ph == 2 ? 4 : 6;
+    const int n0 = min(n, lq_mat_end(a, ph, row) - row), mat = lq_row_mat(a, ph, row);
     return {(unsigned)row, (unsigned short)n0, (unsigned char)mat, (unsigned char)(n - n0)};
 }
 
@@ -367,13 +404,13 @@ __device__ __forceinline__ int lq_chunk_ph(unsigned w1) {
 }
 
 // Issue the chunk whose LqChunk words are row, w1 (row: of the phase) for the layer whose LqLayer sits at shared address lyr
-// into slot (the producer warp's first lane): no divisions, shared-memory loads only. rbd / rbf: the bytes
-// of a row of n_embd / n_ff values, pol: the copies' L2 policy.
-__device__ __forceinline__ void lq_issue(unsigned row, unsigned w1, unsigned lyr, int rbd, int rbf, int D, int kvd,
+// into slot (the producer warp's first lane): no divisions, shared-memory loads only. pol: the copies' L2
+// policy.
+__device__ __forceinline__ void lq_issue(unsigned row, unsigned w1, unsigned lyr, int D, int kvd,
                                          uint8_t* slot, uint64_t* bar, unsigned long long pol) {
     const int n0 = (int)(w1 & 0xffffu), mat = (int)((w1 >> 16) & 0xffu), n1 = (int)(w1 >> 24);
     row -= mat == 1 ? D : mat == 2 ? D + kvd : 0;  // the row in its matrix
-    const int rb = mat == 6 ? rbf : rbd;
+    const int rb = lq_mt[mat].rb;  // (a chunk crossing into the next matrix: the same type)
     const unsigned bytes = (unsigned)((n0 + n1) * rb);
     if (NTX_LQ_PROBE == 3) {
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(bar)) : "memory");
@@ -398,6 +435,7 @@ struct LqShared {
     uint64_t* empty;  // a slot was read
     int8_t* aq;  // the activation row's Q8_1 values
     float* ad;   // and its fp16-rounded scales
+    float* as;   // and the sums of its 32-value blocks' int8 values (Q4_K's minima)
     float* sc;   // the attention's scores (aliases aq / ad)
     float* qa;   // the group's rotated q, fp16-rounded
     uint16_t *knew, *vnew;
@@ -423,13 +461,14 @@ __device__ __forceinline__ void lq_release(const LqShared& s, int q) {
 // halves at once (lq_row_dot) read 128 contiguous bytes: no bank conflicts.
 __device__ __forceinline__ int lq_aq_off(int c) { return (c >> 6) * 256 + (c & 4) * 32 + ((c >> 3) & 7) * 16 + (c & 3) * 4; }
 
-// Four values of a 32-value Q8_1 block (quanti_q8_1_value's values without the sum: Q8_0 weights do
-// not read it): every lane of the warp calls it, the 8 lanes 8m..8m+7 holding one block (float4
+// Four values of a 32-value Q8_1 block (quanti_q8_1_value's values; the block's int8 sum into as unless
+// as is null): every lane of the warp calls it, the 8 lanes 8m..8m+7 holding one block (float4
 // c of the row: values 4c..4c+3, block c / 8); only active lanes store. Warp-uniform callers only.
-__device__ __forceinline__ void lq_quant4(float4 v, bool active, int c, int8_t* aq, float* ad) {
+__device__ __forceinline__ void lq_quant4(float4 v, bool active, int c, int8_t* aq, float* ad, float* as) {
     if (NTX_LQ_PROBE == 2) {  // the probe without the quantization's arithmetic (garbage out)
         if (active) *reinterpret_cast<char4*>(aq + lq_aq_off(c)) = make_char4(v.x > 0.f, v.y > 0.f, v.z > 0.f, v.w > 0.f);
         if (active && c % 8 == 0) ad[c / 8] = 1.f;
+        if (active && c % 8 == 0 && as != nullptr) as[c / 8] = 0.f;
         return;
     }
     float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
@@ -437,10 +476,17 @@ __device__ __forceinline__ void lq_quant4(float4 v, bool active, int c, int8_t* 
     for (int o = 4; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     float d, inv;
     ntx_q8_scale(m, &d, &inv);
+    const int q0 = (int)ntx_q8_q(v.x, inv), q1 = (int)ntx_q8_q(v.y, inv), q2 = (int)ntx_q8_q(v.z, inv),
+              q3 = (int)ntx_q8_q(v.w, inv);
     if (active) {
-        *reinterpret_cast<char4*>(aq + lq_aq_off(c)) = make_char4((signed char)(int)ntx_q8_q(v.x, inv), (signed char)(int)ntx_q8_q(v.y, inv),
-                                                     (signed char)(int)ntx_q8_q(v.z, inv), (signed char)(int)ntx_q8_q(v.w, inv));
+        *reinterpret_cast<char4*>(aq + lq_aq_off(c)) = make_char4((signed char)q0, (signed char)q1, (signed char)q2, (signed char)q3);
         if (c % 8 == 0) ad[c / 8] = ntx_round_f16(d);
+    }
+    if (as != nullptr) {
+        int t = q0 + q1 + q2 + q3;
+#pragma unroll
+        for (int o = 4; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+        if (active && c % 8 == 0) as[c / 8] = (float)t;
     }
 }
 
@@ -457,15 +503,22 @@ __device__ __noinline__ void lq_quant_row(const float* x, int k, const LqShared&
 #pragma unroll
     for (int j = 0; j < LQ_NV / 4; ++j) {
         const int c = threadIdx.x + LQ_THREADS * j;
-        if (c - (int)(threadIdx.x & 31) < k / 4) lq_quant4(v[j], c < k / 4, c, s.aq, s.ad);
+        if (c - (int)(threadIdx.x & 31) < k / 4) lq_quant4(v[j], c < k / 4, c, s.aq, s.ad, s.as);
     }
     LQ_SYNC();
 }
 
-// A Q8_1 row another block quantized (xq in lq_aq_off's layout, xd its scales) copied into aq / ad.
+// A Q8_1 row another block quantized (xq in lq_aq_off's layout, xd its scales) copied into aq / ad, its
+// blocks' sums into as (16-byte piece i holds half of block 8 (i / 16) + i % 8: i and i ^ 8 are its halves).
 __device__ __forceinline__ void lq_load_act(const int8_t* xq, const float* xd, int k, const LqShared& s) {
-    for (int i = threadIdx.x; i < k / 16; i += LQ_THREADS)
-        reinterpret_cast<int4*>(s.aq)[i] = __ldcg(reinterpret_cast<const int4*>(xq) + i);
+    for (int i = threadIdx.x; i - (int)(threadIdx.x & 31) < k / 16; i += LQ_THREADS) {
+        const bool on = i < k / 16;
+        const int4 v = on ? __ldcg(reinterpret_cast<const int4*>(xq) + i) : make_int4(0, 0, 0, 0);
+        if (on) reinterpret_cast<int4*>(s.aq)[i] = v;
+        int t = __dp4a(v.x, 0x01010101, __dp4a(v.y, 0x01010101, __dp4a(v.z, 0x01010101, __dp4a(v.w, 0x01010101, 0))));
+        t += __shfl_xor_sync(0xffffffffu, t, 8);
+        if (on && !(i & 8)) s.as[(i >> 4) * 8 + (i & 7)] = (float)t;
+    }
     for (int i = threadIdx.x; i < k / 32; i += LQ_THREADS) s.ad[i] = __ldcg(xd + i);
     LQ_SYNC();
 }
@@ -479,7 +532,7 @@ __device__ __noinline__ void lq_quant_share(const float* x, int k, int8_t* xq, f
     const int c0 = 8 * (int)((unsigned)blockIdx.x * (unsigned)nsb / gridDim.x);
     const int c1 = 8 * (int)((unsigned)(blockIdx.x + 1) * (unsigned)nsb / gridDim.x);
     for (int c = c0 + (int)threadIdx.x; c - (int)(threadIdx.x & 31) < c1; c += LQ_THREADS)
-        lq_quant4(lq_f4(x, c, c < c1), c < c1, c, xq, xd);
+        lq_quant4(lq_f4(x, c, c < c1), c < c1, c, xq, xd, nullptr);
     lq_signal(done);
     lq_wait(done, gridDim.x);
     lq_release(s, q);  // the grid has met: the producer may fetch the next phase
@@ -511,42 +564,166 @@ __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict
         if (c - (int)(threadIdx.x & 31) < k / 4) {
             const float4 y = make_float4(__fmul_rn(__fmul_rn(v[j].x, scale), wv[j].x), __fmul_rn(__fmul_rn(v[j].y, scale), wv[j].y),
                                          __fmul_rn(__fmul_rn(v[j].z, scale), wv[j].z), __fmul_rn(__fmul_rn(v[j].w, scale), wv[j].w));
-            lq_quant4(y, c < k / 4, c, s.aq, s.ad);
+            lq_quant4(y, c < k / 4, c, s.aq, s.ad, s.as);
         }
     }
     LQ_SYNC();
 }
 
-// The dot product of one row of a slot (units 32-value blocks) with the activations by a warp's
-// lane: units pt * 32 + lane, step 32 wpr (the row's wpr warps, this one part pt). The row and the
-// activations are addressed from lq_dyn, so the loads are shared-memory loads (not generic ones).
-__device__ __forceinline__ float lq_row_dot(int row_off, int units, int pt, int wpr) {
+// The dot products of one row of a slot with the activations by a warp's lane, one form a weight type: units
+// (32 values) pt * 32 + lane, step 32 wpr (the row's wpr warps, this one part pt), each times the unit's
+// activation scale. The row and the activations are addressed from lq_dyn, so the loads are shared-memory
+// loads (not generic ones). The unit decodes are fast_units.cuh's (FastQ8_0, FastQ4_K, FastQ6_K).
+#define LQ_AQ (lq_dyn + LQ_ACT_OFF)
+#define LQ_AD reinterpret_cast<const float*>(lq_dyn + LQ_ACT_OFF + LQ_KMAX)
+#define LQ_AS (LQ_AD + LQ_KMAX / 32)
+
+// The 32 int8 activations of unit u as 8 words (lq_aq_off's layout).
+__device__ __forceinline__ void lq_ldx(int u, int4& xa, int4& xb) {
+    const uint8_t* xp = LQ_AQ + (u >> 3) * 256 + (u & 7) * 16;
+    xa = *reinterpret_cast<const int4*>(xp);
+    xb = *reinterpret_cast<const int4*>(xp + 128);
+}
+__device__ __forceinline__ int lq_dot8(const uint32_t* q, int4 xa, int4 xb) {
+    int d = 0;
+    d = __dp4a((int)q[0], xa.x, d); d = __dp4a((int)q[1], xa.y, d);
+    d = __dp4a((int)q[2], xa.z, d); d = __dp4a((int)q[3], xa.w, d);
+    d = __dp4a((int)q[4], xb.x, d); d = __dp4a((int)q[5], xb.y, d);
+    d = __dp4a((int)q[6], xb.z, d); d = __dp4a((int)q[7], xb.w, d);
+    return d;
+}
+// Eight words from the 2-byte aligned offset o of lq_dyn: aligned word loads joined by a funnel shift (a
+// slot has 16 bytes of padding for the ninth word).
+__device__ __forceinline__ void lq_ld8(int o, uint32_t* w) {
+    const uint32_t* wa = reinterpret_cast<const uint32_t*>(lq_dyn + (o & ~3));
+    const unsigned sh = (o & 2) ? 16u : 0u;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = __funnelshift_r(wa[i], wa[i + 1], sh);
+}
+
+// Each form takes NR (1 or 2) rows of a slot at once (byte offsets oa, ob: a gate row and its up row, or two
+// rows of one matrix), so a unit's activations are read once for both.
+template <int NR>
+__device__ __forceinline__ float2 lq_dot_q8_0(int oa, int ob, int units, int pt, int wpr) {
     const int lane = threadIdx.x & 31;
-    const uint8_t* aq = lq_dyn + LQ_ACT_OFF;
-    const float* ad = reinterpret_cast<const float*>(lq_dyn + LQ_ACT_OFF + LQ_KMAX);
-    float acc = 0.f;
-    if (NTX_LQ_PROBE == 1) return acc;
+    float r[2] = {0.f, 0.f};
     for (int u = pt * 32 + lane; u < units; u += 32 * wpr) {
-        // the unit's 34 bytes (fp16 scale, 32 int8) start 2-byte aligned at o: nine aligned words
-        // from o & ~3 hold them; the quants are those words shifted by 16 bits (o % 4 == 0) or not
-        const int o = row_off + u * LQ_BQ, sh = (o & 2) ? 32 : 16;
-        const uint32_t* wa = reinterpret_cast<const uint32_t*>(lq_dyn + (o & ~3));
-        uint32_t w[9], q[8];
+        int4 xa, xb;
+        lq_ldx(u, xa, xb);
+        const float d = LQ_AD[u];
 #pragma unroll
-        for (int i = 0; i < 9; ++i) w[i] = wa[i];
+        for (int e = 0; e < NR; ++e) {
+            // the unit's 34 bytes (fp16 scale, 32 int8) start 2-byte aligned at o: nine aligned words
+            // from o & ~3 hold them; the quants are those words shifted by 16 bits (o % 4 == 0) or not
+            const int o = (e ? ob : oa) + u * LQ_BQ, sh = (o & 2) ? 32 : 16;
+            const uint32_t* wa = reinterpret_cast<const uint32_t*>(lq_dyn + (o & ~3));
+            uint32_t w[9], q[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) q[i] = __funnelshift_rc(w[i], w[i + 1], sh);
-        const float wd = ntx_h2f((uint16_t)(w[0] >> (sh - 16)));
-        const uint8_t* xp = aq + (u >> 3) * 256 + (u & 7) * 16;
-        const int4 xa = *reinterpret_cast<const int4*>(xp), xb = *reinterpret_cast<const int4*>(xp + 128);
-        int d = 0;
-        d = __dp4a((int)q[0], xa.x, d); d = __dp4a((int)q[1], xa.y, d);
-        d = __dp4a((int)q[2], xa.z, d); d = __dp4a((int)q[3], xa.w, d);
-        d = __dp4a((int)q[4], xb.x, d); d = __dp4a((int)q[5], xb.y, d);
-        d = __dp4a((int)q[6], xb.z, d); d = __dp4a((int)q[7], xb.w, d);
-        acc += ad[u] * (wd * (float)d);
+            for (int i = 0; i < 9; ++i) w[i] = wa[i];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) q[i] = __funnelshift_rc(w[i], w[i + 1], sh);
+            r[e] += d * (ntx_h2f((uint16_t)(w[0] >> (sh - 16))) * (float)lq_dot8(q, xa, xb));
+        }
     }
-    return acc;
+    return make_float2(r[0], r[1]);
+}
+
+// Q4_K: unit j of a block is nibble j % 2 of its bytes 16 + 32 (j / 2) ..; its scale and minimum are
+// ntx_k_scale_min's (6-bit, from the block's 12 bytes at 4); the minimum's term takes the activations' sum. A
+// lane takes units 2m and 2m + 1 of a block (the low and high nibbles of the same 32 bytes): items of two units.
+template <int NR>
+__device__ __noinline__ float2 lq_dot_q4_k(int oa, int ob, int units, int pt, int wpr) {
+    const int lane = threadIdx.x & 31;
+    float r[2] = {0.f, 0.f};
+    for (int it = pt * 32 + lane; it < units / 2; it += 32 * wpr) {
+        const int m = it & 3, u = 2 * it, bo = (it >> 2) * 144;  // units u, u + 1; blocks: 16-byte aligned
+        int4 x0a, x0b, x1a, x1b;
+        lq_ldx(u, x0a, x0b);
+        lq_ldx(u + 1, x1a, x1b);
+        const float d0 = LQ_AD[u], d1 = LQ_AD[u + 1], s0 = LQ_AS[u], s1 = LQ_AS[u + 1];
+        const unsigned b0 = 16u * (unsigned)(m & 1);  // byte j % 4 of the scale words: 2m % 4 and 2m % 4 + 1
+#pragma unroll
+        for (int e = 0; e < NR; ++e) {
+            const int o = (e ? ob : oa) + bo;
+            const uint4 h = *reinterpret_cast<const uint4*>(lq_dyn + o);  // d | dmin, scale bytes 0..3, 4..7, 8..11
+            const uint4 qa = *reinterpret_cast<const uint4*>(lq_dyn + o + 16 + 32 * m);
+            const uint4 qb = *reinterpret_cast<const uint4*>(lq_dyn + o + 32 + 32 * m);
+            int sc[2], mn[2];
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {  // unit 2m + k: scale byte b = 2m % 4 + k
+                const unsigned sh = b0 + 8u * (unsigned)k, w0 = h.y >> sh, w1 = h.z >> sh, w2 = h.w >> sh;
+                sc[k] = m < 2 ? (int)(w0 & 63u) : (int)((w2 & 15u) | ((w0 >> 6 & 3u) << 4));
+                mn[k] = m < 2 ? (int)(w1 & 63u) : (int)((w2 >> 4 & 15u) | ((w1 >> 6 & 3u) << 4));
+            }
+            const uint32_t w[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+            uint32_t lo[8], hi[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                lo[i] = w[i] & 0x0F0F0F0Fu;
+                hi[i] = (w[i] >> 4) & 0x0F0F0F0Fu;
+            }
+            const float dd = ntx_h2f((uint16_t)(h.x & 0xffffu)), dm = ntx_h2f((uint16_t)(h.x >> 16));
+            const float t0 = __fmul_rn(dd, (float)sc[0]) * (float)lq_dot8(lo, x0a, x0b) - __fmul_rn(dm, (float)mn[0]) * s0;
+            const float t1 = __fmul_rn(dd, (float)sc[1]) * (float)lq_dot8(hi, x1a, x1b) - __fmul_rn(dm, (float)mn[1]) * s1;
+            r[e] += d0 * t0 + d1 * t1;
+        }
+    }
+    return make_float2(r[0], r[1]);
+}
+
+// Q6_K: unit j of a block (half j / 4, s = j % 4) takes nibble s / 2 of the half's low bytes 32 (s % 2) ..
+// and bit pair s of its 32 high bytes, minus 32; two int8 scales of 16 values each, and the block's d. A lane
+// takes units 4h + s and 4h + s + 2 (s < 2: the low and high nibbles of the same 32 low bytes, and the same
+// high bytes): items of two units.
+template <int NR>
+__device__ __noinline__ float2 lq_dot_q6_k(int oa, int ob, int units, int pt, int wpr) {
+    const int lane = threadIdx.x & 31;
+    float r[2] = {0.f, 0.f};
+    for (int it = pt * 32 + lane; it < units / 2; it += 32 * wpr) {
+        const int k = it & 3, hh = k >> 1, s = k & 1, j = 4 * hh + s, u = (it >> 2) * 8 + j;  // units u, u + 2
+        const int bo = (it >> 2) * 210;  // blocks: 2-byte aligned
+        int4 x0a, x0b, x1a, x1b;
+        lq_ldx(u, x0a, x0b);
+        lq_ldx(u + 2, x1a, x1b);
+        const float d0 = LQ_AD[u], d1 = LQ_AD[u + 2];
+        const unsigned hs = 2u * (unsigned)s;
+#pragma unroll
+        for (int e = 0; e < NR; ++e) {
+            const int o = (e ? ob : oa) + bo;
+            uint32_t lo[8], hi[8], q0[8], q1[8];
+            lq_ld8(o + hh * 64 + s * 32, lo);
+            lq_ld8(o + 128 + hh * 32, hi);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                q0[i] = __vsub4((lo[i] & 0x0F0F0F0Fu) | (((hi[i] >> hs) & 0x03030303u) << 4), 0x20202020u);
+                q1[i] = __vsub4(((lo[i] >> 4) & 0x0F0F0F0Fu) | (((hi[i] >> (hs + 4)) & 0x03030303u) << 4), 0x20202020u);
+            }
+            int a0 = 0, a1 = 0, c0 = 0, c1 = 0;  // the four 16-value halves' sums
+            a0 = __dp4a((int)q0[0], x0a.x, a0); a0 = __dp4a((int)q0[1], x0a.y, a0);
+            a0 = __dp4a((int)q0[2], x0a.z, a0); a0 = __dp4a((int)q0[3], x0a.w, a0);
+            a1 = __dp4a((int)q0[4], x0b.x, a1); a1 = __dp4a((int)q0[5], x0b.y, a1);
+            a1 = __dp4a((int)q0[6], x0b.z, a1); a1 = __dp4a((int)q0[7], x0b.w, a1);
+            c0 = __dp4a((int)q1[0], x1a.x, c0); c0 = __dp4a((int)q1[1], x1a.y, c0);
+            c0 = __dp4a((int)q1[2], x1a.z, c0); c0 = __dp4a((int)q1[3], x1a.w, c0);
+            c1 = __dp4a((int)q1[4], x1b.x, c1); c1 = __dp4a((int)q1[5], x1b.y, c1);
+            c1 = __dp4a((int)q1[6], x1b.z, c1); c1 = __dp4a((int)q1[7], x1b.w, c1);
+            const unsigned sa = *reinterpret_cast<const uint16_t*>(lq_dyn + o + 192 + 2 * j);
+            const unsigned sb = *reinterpret_cast<const uint16_t*>(lq_dyn + o + 196 + 2 * j);  // unit j + 2's
+            const int i0 = (int)(int8_t)(sa & 0xffu) * a0 + (int)(int8_t)(sa >> 8) * a1;
+            const int i1 = (int)(int8_t)(sb & 0xffu) * c0 + (int)(int8_t)(sb >> 8) * c1;
+            const float d = ntx_h2f(*reinterpret_cast<const uint16_t*>(lq_dyn + o + 208));
+            r[e] += d0 * (d * (float)i0) + d1 * (d * (float)i1);
+        }
+    }
+    return make_float2(r[0], r[1]);
+}
+
+// Rows oa and ob (two) or oa alone.
+__device__ __forceinline__ float2 lq_row_dot(int oa, int ob, bool two, int units, int pt, int wpr, int type) {
+    if (NTX_LQ_PROBE == 1) return make_float2(0.f, 0.f);
+    if (type == LQ_Q4_K) return two ? lq_dot_q4_k<2>(oa, ob, units, pt, wpr) : lq_dot_q4_k<1>(oa, ob, units, pt, wpr);
+    if (type == LQ_Q6_K) return two ? lq_dot_q6_k<2>(oa, ob, units, pt, wpr) : lq_dot_q6_k<1>(oa, ob, units, pt, wpr);
+    return two ? lq_dot_q8_0<2>(oa, ob, units, pt, wpr) : lq_dot_q8_0<1>(oa, ob, units, pt, wpr);
 }
 
 // A phase's chunks against the activations in aq / ad, chunk by chunk from the ring, until each group
@@ -561,8 +738,7 @@ __device__ __forceinline__ float lq_row_dot(int row_off, int units, int pt, int 
 template <class Out>
 __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& it, const float* res, Out out) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp / LQ_GW, wi = warp % LQ_GW;
-    const int rb = lq_row_bytes(a, ph), units = (ph == 3 ? a.F : a.D) / 32, rpc = lq_rpc(a, ph);
-    const int per = ph == 2 ? 2 : 1, wpr = max(1, LQ_GW / (per * rpc)), pt = wi % wpr, j = wi / wpr;
+    const int per = ph == 2 ? 2 : 1;
     unsigned i = it + (unsigned)((grp - (int)(it % LQ_GROUPS) + LQ_GROUPS) % LQ_GROUPS);  // the group's first chunk
     for (;; i += LQ_GROUPS) {
         const int slot = i % NTX_LQ_SLOTS;
@@ -571,27 +747,39 @@ __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& i
         unsigned row, w1;
         asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(row), "=r"(w1) : "r"(lq_smem(s.desc + slot)) : "memory");
         const int n = (int)(w1 & 0xffffu) + (int)(w1 >> 24);
-        for (int jj = j; jj < per * n; jj += LQ_GW / wpr) {  // a warp a row (part); two when rows outnumber warps
-            const int pj = jj < n ? jj : jj - n;  // the output row's place in the chunk
-            const float rv = res != nullptr && lane == 0 ? __ldcg(res + row + pj) : 0.f;
-            const float t = warp_sum(lq_row_dot(slot * LQ_SLOT + jj * rb, units, pt, wpr));
+        const LqMat m = lq_mt[(w1 >> 16) & 0xffu];  // (a chunk crossing into the next matrix: the same type)
+        // the chunk's items: row pairs (gate/up: gate row p with up row p; else, where a chunk has more rows than
+        // a group warps, rows p and p + np) or single rows (m.pair 0), wpr warps an item
+        const int np = !m.pair ? n : per == 2 ? n : (n + 1) >> 1, wpr = 1 << m.lw, pt = wi & (wpr - 1);
+        for (int p = wi >> m.lw; p < np; p += LQ_GW >> m.lw) {
+            const int ra = p, rb = per == 2 ? n + p : p + np;  // rows of the slot
+            const bool two = m.pair && rb < per * n;
+            const float va = res != nullptr && lane == 0 ? __ldcg(res + row + ra) : 0.f;
+            const float vb = res != nullptr && lane == 0 && two && per == 1 ? __ldcg(res + row + rb) : 0.f;
+            const int o = slot * LQ_SLOT;
+            float2 t = lq_row_dot(o + ra * m.rb, o + rb * m.rb, two, m.units, pt, wpr, m.type);
+            t.x = warp_sum(t.x);
+            t.y = warp_sum(t.y);
             if (lane == 0) {
-                if (per * wpr == 1) {
-                    out((int)row + pj, t, 0.f, rv);
-                } else {
+                if (wpr > 1) {  // the item's parts: the warp that writes the last adds them in a fixed order
                     float* cp = s.cpart + slot * LQ_WARPS;
-                    cp[jj * wpr + pt] = t;
+                    cp[ra * wpr + pt] = t.x;
+                    if (two) cp[rb * wpr + pt] = t.y;
                     __threadfence_block();
-                    if (atomicAdd(s.ccnt + slot * LQ_WARPS + pj, 1) == per * wpr - 1) {  // the output's last part
-                        __threadfence_block();
-                        const volatile float* vp = cp;
-                        float g = 0.f, u = 0.f;
-                        for (int q = 0; q < wpr; ++q) g += vp[pj * wpr + q];
-                        if (per == 2)
-                            for (int q = 0; q < wpr; ++q) u += vp[(n + pj) * wpr + q];
-                        s.ccnt[slot * LQ_WARPS + pj] = 0;
-                        out((int)row + pj, g, u, rv);
-                    }
+                    if (atomicAdd(s.ccnt + slot * LQ_WARPS + p, 1) != wpr - 1) continue;
+                    __threadfence_block();
+                    const volatile float* vp = cp;
+                    t = make_float2(0.f, 0.f);
+                    for (int q = 0; q < wpr; ++q) t.x += vp[ra * wpr + q];
+                    if (two)
+                        for (int q = 0; q < wpr; ++q) t.y += vp[rb * wpr + q];
+                    s.ccnt[slot * LQ_WARPS + p] = 0;
+                }
+                if (per == 2) {
+                    out((int)row + p, t.x, t.y, 0.f);
+                } else {
+                    out((int)row + ra, t.x, 0.f, va);
+                    if (two) out((int)row + rb, t.y, 0.f, vb);
                 }
             }
         }
@@ -803,6 +991,7 @@ __device__ void lq_step(const LqArgs& a) {
         s.ring = p; p += LQ_ACT_OFF;
         s.aq = reinterpret_cast<int8_t*>(p);
         s.ad = reinterpret_cast<float*>(p + LQ_KMAX);
+        s.as = s.ad + LQ_KMAX / 32;
         s.sc = reinterpret_cast<float*>(p);
         p += LQ_ACT;
         s.qa = reinterpret_cast<float*>(p); p += 4 * LQ_GMAX * HD;
@@ -831,6 +1020,7 @@ __device__ void lq_step(const LqArgs& a) {
             asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(lq_smem(s.empty + i)), "n"(LQ_GW) : "memory");
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        lq_mat_init(a);
         s.flag[1] = 0;  // the phases released to the producer (NTX_LQ_HOLD): 4 layer + phase
         for (int i = 0; i < LQ_SLOTS * LQ_WARPS; ++i) s.ccnt[i] = 0;
     }
@@ -844,7 +1034,7 @@ __device__ void lq_step(const LqArgs& a) {
             while (f.layer == 0 && nc < LQ_CMAX) s.chunks[nc++] = f.next(a);
             if (f.layer == 0) __trap();  // more chunks than the list holds (cuda_layers.stack_unfit checks)
             const unsigned long long pol = lq_policy();
-            const int rbd = a.D / 32 * LQ_BQ, rbf = a.F / 32 * LQ_BQ, kvd = lq_kvd(a);
+            const int kvd = lq_kvd(a);
             const unsigned tab = lq_smem(s.chunks), rel = lq_smem(s.flag + 1);
             unsigned i = 0;
             int i0 = 0;  // NTX_LQ_RTRACE: the traced layer's first chunk
@@ -867,7 +1057,7 @@ __device__ void lq_step(const LqArgs& a) {
                 if (end)
                     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(s.full + slot)) : "memory");
                 else
-                    lq_issue(row, w1, lq_smem(s.layers + layer), rbd, rbf, a.D, kvd, s.ring + (size_t)slot * LQ_SLOT,
+                    lq_issue(row, w1, lq_smem(s.layers + layer), a.D, kvd, s.ring + (size_t)slot * LQ_SLOT,
                              s.full + slot, pol);
                 if (NTX_LQ_RTRACE && layer == LQ_RT_LAYER) {
                     LQ_RMARK((int)i - i0, 0, global_ns());
@@ -881,7 +1071,7 @@ __device__ void lq_step(const LqArgs& a) {
                 int c = 0;
                 for (int ph = 0; ph < 4; ++ph) {
                     nph = 0;
-                    const int npool = lq_pool(a, ph), pool0 = lq_owned(a, ph), rpc = lq_rpc(a, ph);
+                    const int npool = lq_pool(a, ph), pool0 = lq_owned(a, ph), rpc = lq_rpc(ph);
                     for (; c < nc; ++c) {  // the block's own chunks of the phase
                         unsigned row, w1;
                         asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(row), "=r"(w1) : "r"(tab + 8u * (unsigned)c) : "memory");
@@ -970,7 +1160,7 @@ __device__ void lq_step(const LqArgs& a) {
         __shared__ LqArgs sa; /* in shared memory: the helpers take it by reference (no local copy) */          \
         if (threadIdx.x == 0)                                                                                      \
             sa = {layers, n_layers, x0, xa, xb, qkv, att, hid, part, hq, hqd, ctr, pos, rope_ff, rope_dim,                  \
-                  rope_scale, freq_scale, neox, D, F, n_head, n_kv, chunks, eps, scale, trace};                    \
+                  rope_scale, freq_scale, neox, D, F, n_head, n_kv, chunks, eps, scale, types, trace};                    \
         __syncthreads();                                                                                           \
         lq_step<V / 32>(sa);                                                                                       \
     }

@@ -4,8 +4,10 @@ One block an SM runs every layer; a ring of shared-memory slots is kept filled w
 next weight rows by bulk copies, so the weights stream while the norms, the attention and the
 waits between the ops run; the last 10 % of the gate/up and down rows go to the blocks that claim
 them first. The blocks meet at counters in global memory, zeroed before each launch. It runs where
-every layer matrix is Q8_0 and the shapes fit (`stack_unfit` says why not); the backend's op-by-op
-kernels run everything else, and the step's head (final norm, output matmul, argmax) after it.
+every layer matrix is Q8_0, Q4_K or Q6_K (each layer with the same types: llama.cpp's Q8_0, and Q4_K_M
+where attn_v and ffn_down are Q6_K in every layer) and the shapes fit (`stack_unfit` says why not);
+the backend's op-by-op kernels run everything else, and the step's head (final norm, output matmul,
+argmax) after it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ THREADS = 512  # LQ_THREADS: the consumer threads
 BLOCK = THREADS + 32  # LQ_BLOCK: and the producer warp
 SLOTS, SLOT = 4, 34832  # LQ_SLOTS, LQ_SLOT: the weight ring
 KMAX = 16384  # LQ_KMAX: the longest activation row
-ACT_BYTES = KMAX + 4 * (KMAX // 32)  # LQ_ACT: also the attention's scores
+ACT_BYTES = KMAX + 8 * (KMAX // 32)  # LQ_ACT: also the attention's scores
 GMAX = 8  # LQ_GMAX: query heads a KV head
 KVS = 32768  # LQ_KVS: shared memory for the attention chunk's first K and V rows
 NORM_MAX = 16 * THREADS  # LQ_NV values a thread
@@ -32,8 +34,13 @@ MAX_LAYERS = 96  # LQ_MAX_LAYERS: layer descriptors in shared memory
 CHUNK_MAX = 256  # LQ_CMAX: ring chunks of a layer a block (the producer's list)
 CHUNK_BYTES = 8  # sizeof(LqChunk)
 LAYER_BYTES = 8 * 11  # sizeof(LqLayer)
-STATIC_SMEM = 512  # at least the kernel's static shared memory (ptxas: 384 bytes)
+STATIC_SMEM = 768  # at least the kernel's static shared memory (ptxas: 512 bytes)
 GROUPS = 2  # LQ_GROUPS: consumer warp groups (chunk i: group i % GROUPS)
+GROUP_WARPS = THREADS // 32 // GROUPS  # LQ_GW
+# The weight types of the kernel's matrices (LQ_Q8_0, LQ_Q4_K, LQ_Q6_K: its `types` word, a nibble a matrix)
+# and the bytes of a block of each (32, 256 and 256 values).
+TYPE_CODES = {GGMLType.Q8_0: 0, GGMLType.Q4_K: 1, GGMLType.Q6_K: 2}
+QUANT_BLOCK = {GGMLType.Q8_0: (32, 34), GGMLType.Q4_K: (256, 144), GGMLType.Q6_K: (256, 210)}
 HEAD_DIMS = (64, 128)  # the kernels built (layer_q8_hd64, layer_q8_hd128)
 LAYER_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm", "ffn_norm")  # + k, v caches
 
@@ -46,23 +53,36 @@ def stack_smem(head_dim: int, group: int) -> int:
             + 4 * npg * group + LAYER_BYTES * MAX_LAYERS + CHUNK_BYTES * CHUNK_MAX + 2 * 8 * SLOTS)
 
 
+def row_bytes(ggml_type, k: int) -> int:
+    """Bytes of a row of k values of a matrix of one of TYPE_CODES' types."""
+    qk, nb = QUANT_BLOCK[ggml_type]
+    return k // qk * nb
+
+
 def chunk_rows(row_bytes: int, pair: bool) -> int:
-    """Rows a ring chunk of a phase (lq_rpc): the largest power of two that fits a slot and the warps."""
+    """Rows a ring chunk of a matrix (lq_fit_rows): as many as fit a slot where that gives the warps of a group
+    7 or 8 row pairs, else the largest power of two that fits."""
     per = 2 if pair else 1
-    rpc = 1
-    while 2 * rpc * per <= THREADS // 32 and 2 * rpc * per * row_bytes <= SLOT - 16:
-        rpc *= 2
-    return rpc
+    r = (SLOT - 16) // (row_bytes * per)
+    if r * per >= 2 * GROUP_WARPS - 2:
+        return min(r, 2 * GROUP_WARPS // per)
+    p = 1
+    while 2 * p <= r:
+        p *= 2
+    return p
 
 
-def layer_chunks(cfg: ModelConfig, sm_count: int) -> int:
-    """Ring chunks of one layer a block at most (the producer's list, lq_step): each phase's rows a block
-    in chunks, + 2 where a chunk ends at the q/k or k/v boundary (NTX_LQ_XMAT=0)."""
-    d, f = cfg.n_embd, cfg.n_ff
-    rb_d, rb_f = d // 32 * 34, f // 32 * 34
-    phases = ((d + 2 * cfg.n_head_kv * cfg.head_dim, rb_d, False), (d, rb_d, False), (f, rb_d, True), (d, rb_f, False))
-    per_block = [(-(-rows // sm_count), chunk_rows(rb, pair)) for rows, rb, pair in phases]
-    return 2 + sum(-(-n // rpc) for n, rpc in per_block)
+def layer_chunks(cfg: ModelConfig, sm_count: int, types: tuple | None = None) -> int:
+    """Ring chunks of one layer a block at most (the producer's list, lq_step): each matrix's rows a block
+    in chunks, + 1 a matrix where a chunk ends at its end. types: the 7 matrices' (LAYER_FIELDS), Q8_0 if None."""
+    d, f, kvd = cfg.n_embd, cfg.n_ff, cfg.n_head_kv * cfg.head_dim
+    types = types or (GGMLType.Q8_0,) * 7
+    mats = ((d, d, False), (kvd, d, False), (kvd, d, False), (d, d, False), (f, d, True), (d, f, False))
+    total = 0
+    for (rows, k, pair), t in zip(mats, types[:5] + types[6:]):
+        per_block = min(rows, -(-rows // sm_count))
+        total += -(-per_block // chunk_rows(row_bytes(t, k), pair)) + 1
+    return total
 
 
 def stack_chunks(cfg: ModelConfig, sm_count: int) -> int:
@@ -83,12 +103,27 @@ def stack_unfit(cfg: ModelConfig, layers: list, n_ctx: int, cc: tuple[int, int],
         return f"head shape {cfg.n_head}x{hd} / {cfg.n_head_kv} KV heads is not built"
     if d % 256 or f % 256 or d > NORM_MAX or f > KMAX:
         return f"n_embd {d} / n_ff {f} (multiples of 256, at most {NORM_MAX} / {KMAX})"
+    types = None
     for lw in layers:
+        mine = []
         for name in LAYER_FIELDS[:7]:
             w = getattr(lw, name, None)
-            if getattr(w, "ggml_type", None) != GGMLType.Q8_0:
-                return f"{getattr(w, 'name', name)} is {getattr(getattr(w, 'ggml_type', None), 'name', type(w).__name__)}, not Q8_0"
-    chunks = layer_chunks(cfg, sm_count)
+            t = getattr(w, "ggml_type", None)
+            if t not in TYPE_CODES:
+                return (f"{getattr(w, 'name', name)} is {getattr(t, 'name', type(w).__name__)}, not one of the kernel's "
+                        f"types ({', '.join(x.name for x in TYPE_CODES)})")
+            k = f if name == "w_down" else d
+            if row_bytes(t, k) % 16:
+                return (f"{getattr(w, 'name', name)}: a row of {k} {t.name} values is {row_bytes(t, k)} bytes, not a "
+                        f"multiple of 16 (the ring's bulk copies)")
+            mine.append(t)
+        if mine[4] != mine[5]:
+            return f"ffn_gate is {mine[4].name} and ffn_up {mine[5].name} (a ring chunk holds both: one type)"
+        if types is not None and tuple(mine) != types:
+            return (f"layer {layers.index(lw)}'s matrices are {'/'.join(x.name for x in mine)}, layer 0's "
+                    f"{'/'.join(x.name for x in types)} (the kernel takes one type mix for every layer)")
+        types = tuple(mine)
+    chunks = layer_chunks(cfg, sm_count, types)
     if len(layers) > MAX_LAYERS or chunks > CHUNK_MAX:
         return (f"{len(layers)} layers, {d} x {f} rows on {sm_count} SMs: {chunks} ring chunks a layer an SM "
                 f"(at most {MAX_LAYERS} layers, {CHUNK_MAX} chunks)")
@@ -111,6 +146,7 @@ class StackDecode:
         self.group = cfg.n_head // cfg.n_head_kv
         self.kernel = f"layer_q8_hd{cfg.head_dim}"
         self.smem = stack_smem(cfg.head_dim, self.group)
+        self.types = sum(TYPE_CODES[getattr(layers[0], n).ggml_type] << (4 * i) for i, n in enumerate(LAYER_FIELDS[:7]))
         table = np.array([[getattr(lw, n).data.ptr if n.startswith("w") else getattr(lw, n).ptr for n in LAYER_FIELDS]
                           + [b.k_cache[i].ptr, b.v_cache[i].ptr] for i, lw in enumerate(layers)], np.uint64)
         self.table = upload(b.pool, table, b.stream)
@@ -157,7 +193,7 @@ class StackDecode:
                 (self.table, self.n_layers, x, self.xa, self.xb, self.qkv, self.att, self.hid, self.part, self.hq,
                  self.hqd, self.ctr,
                  b.pos_buf, b.rope_ff, c.rope_dim, b.rope_scale, c.rope_freq_scale, int(c.rope_type == ROPE_NEOX),
-                 c.n_embd, c.n_ff, c.n_head, c.n_head_kv, self.chunks, float(c.rms_eps), scale, self.trace),
+                 c.n_embd, c.n_ff, c.n_head, c.n_head_kv, self.chunks, float(c.rms_eps), scale, self.types, self.trace),
                 b.stream, self.smem)
         return self.xb
 

@@ -21,21 +21,32 @@ def _cfg(**kw):
     return SimpleNamespace(**c)
 
 
-def _layers(n=32, t=GGMLType.Q8_0, odd=None):
-    names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-    return [SimpleNamespace(**{m: SimpleNamespace(ggml_type=odd if (odd and m == "w_down" and i == n - 1) else t,
-                                                  name=f"blk.{i}.{m}") for m in names}) for i in range(n)]
+NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+Q4_K_M = {"wv": GGMLType.Q6_K, "w_down": GGMLType.Q6_K}  # the synthetic q4_k_m mix (Q4_K elsewhere)
 
 
-def test_llama3_8b_q8_0_fits_the_h200():
+def _layers(n=32, t=GGMLType.Q8_0, odd=None, mix=None, odd_name="w_down"):
+    """n layers of type t (mix: other types by matrix); odd: the last layer's odd_name matrix's type."""
+    def typ(i, m):
+        return odd if (odd and m == odd_name and i == n - 1) else (mix or {}).get(m, t)
+    return [SimpleNamespace(**{m: SimpleNamespace(ggml_type=typ(i, m), name=f"blk.{i}.{m}") for m in NAMES})
+            for i in range(n)]
+
+
+def test_llama3_8b_q8_0_and_q4_k_m_fit_the_h200():
     assert stack_unfit(_cfg(), _layers(), 4096, **H200) is None
-    assert stack_smem(128, 4) + 384 <= H200["smem_optin"]  # + the kernel's static shared memory (ptxas)
+    assert stack_unfit(_cfg(), _layers(t=GGMLType.Q4_K, mix=Q4_K_M), 4096, **H200) is None
+    assert stack_unfit(_cfg(), _layers(t=GGMLType.Q6_K), 4096, **H200) is None
+    assert stack_smem(128, 4) + 512 <= H200["smem_optin"]  # + the kernel's static shared memory (ptxas)
 
 
 @pytest.mark.parametrize("change,why", [
     (dict(cc=(8, 0)), "needs sm_90"),
-    (dict(layers=_layers(t=GGMLType.Q4_K)), "blk.0.wq is Q4_K, not Q8_0"),
-    (dict(layers=_layers(odd=GGMLType.Q6_K)), "blk.31.w_down is Q6_K, not Q8_0"),
+    (dict(layers=_layers(t=GGMLType.Q5_K)), "blk.0.wq is Q5_K, not one of the kernel's types (Q8_0, Q4_K, Q6_K)"),
+    (dict(layers=_layers(odd=GGMLType.Q6_K)), "layer 31's matrices are Q8_0/Q8_0/Q8_0/Q8_0/Q8_0/Q8_0/Q6_K"),
+    (dict(layers=_layers(odd=GGMLType.Q4_K, odd_name="w_up")), "ffn_gate is Q8_0 and ffn_up Q4_K"),
+    # 55 Q6_K blocks: 11550 bytes a row
+    (dict(cfg=_cfg(n_ff=14080), layers=_layers(t=GGMLType.Q4_K, mix=Q4_K_M)), "blk.0.w_down: a row of 14080 Q6_K"),
     (dict(cfg=_cfg(n_expert=8)), "mixture-of-experts"),
     (dict(cfg=_cfg(qkv_bias=True)), "biases"),
     (dict(cfg=_cfg(head_dim=80, n_embd=2560)), "head shape 32x80"),
@@ -43,8 +54,9 @@ def test_llama3_8b_q8_0_fits_the_h200():
     (dict(cfg=_cfg(n_ff=14000)), "n_ff 14000"),
     (dict(cfg=_cfg(n_ff=28672)), "n_ff 28672"),
     (dict(layers=_layers(n=97)), "97 layers"),
-    (dict(sm_count=8), "866 ring chunks"),  # 1792 gate/up pairs a block: more chunks than LQ_CMAX
-    (dict(cfg=_cfg(n_ff=4096), sm_count=8), "354 ring chunks"),
+    # a block's rows in chunks, + 1 a matrix: q 512 / 8, k and v 128 / 8, o 512 / 8, gate/up 1792 / 4, down 512 / 2
+    (dict(sm_count=8), "870 ring chunks"),
+    (dict(cfg=_cfg(n_ff=4096), sm_count=8), "358 ring chunks"),  # gate/up 512 / 4, down 512 / 8
     (dict(n_ctx=1 << 20), "n_ctx 1048576 is too long"),
     (dict(smem_optin=166912), "shared memory"),
 ])
@@ -70,6 +82,8 @@ def test_the_host_mirrors_the_kernels_constants():
             "LQ_CMAX": cl.CHUNK_MAX} == {k: macro[k] for k in (
         "LQ_THREADS", "LQ_SLOTS", "LQ_SLOT", "LQ_KMAX", "LQ_GMAX", "LQ_NCTR", "LQ_MARKS", "LQ_MAX_LAYERS",
         "LQ_GROUPS", "LQ_KVS", "LQ_NV", "LQ_CMAX")}
+    assert {t.name: c for t, c in cl.TYPE_CODES.items()} == {k[3:]: macro[k] for k in ("LQ_Q8_0", "LQ_Q4_K", "LQ_Q6_K")}
+    assert cl.GROUP_WARPS == macro["LQ_THREADS"] // 32 // macro["LQ_GROUPS"]
     fields = re.search(r"struct LqLayer \{[^}]*\}", src).group(0)
     assert len(re.findall(r"\*\s*\w+", fields)) * 8 == cl.LAYER_BYTES == 8 * (len(cl.LAYER_FIELDS) + 2)
     chunk = re.search(r"struct LqChunk \{([^}]*)\}", src).group(1)  # unsigned, unsigned short, 2 unsigned chars

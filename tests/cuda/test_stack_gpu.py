@@ -1,6 +1,7 @@
 """The "stack" decode (backends/cuda_layers.py, native/cuda/layer_q8.cu: every layer of a one-token
-step in one persistent launch) against the numpy backend on synthetic all-Q8_0 models, teacher-forced
-on numpy's greedy tokens so every step's logits are compared at the same inputs:
+step in one persistent launch) against the numpy backend on synthetic models (all-Q8_0; Q4_K_M: Q4_K with
+Q6_K v and down rows; all-Q4_K), teacher-forced on numpy's greedy tokens so every step's logits are
+compared at the same inputs:
 - each decode step's logits within 3 x the numpy model's noise floor + 1e-3 (test_engine_gpu's
   prefill bound; the layer-by-layer CUDA path is held to the same bound in the same test);
 - free-running greedy tokens identical to numpy's up to the first near-tie;
@@ -25,14 +26,17 @@ pytestmark = pytest.mark.gpu
 
 NEAR_TIE = 0.05
 STEPS = 12
-# (shape, layers, prompt length, n_ctx): head_dim 64 (tiny) and 128 (small)
-CASES = [("tiny", 4, 5, 64), ("tiny", 3, 180, 256), ("small", 2, 9, 64), ("small", 2, 120, 160), ("gqa8", 2, 600, 640)]
+# (shape, mix, layers, prompt length, n_ctx): head_dim 64 (tiny) and 128 (small); the K-quant mixes on "small"
+# (rows of 2048 values: Q6_K rows of 1680 bytes, whole 16-byte pieces for the ring's copies; tiny's are not)
+CASES = [("tiny", "q8_0", 4, 5, 64), ("tiny", "q8_0", 3, 180, 256), ("small", "q8_0", 2, 9, 64),
+         ("small", "q8_0", 2, 120, 160), ("gqa8", "q8_0", 2, 600, 640), ("small", "q4_k_m", 2, 9, 64),
+         ("small", "q4_k_m", 2, 150, 192), ("small", "q4_k", 2, 40, 64)]
 
 
-def _models(synth, tmp_path, shape, layers, n_ctx, fuse):
+def _models(synth, tmp_path, shape, mix, layers, n_ctx, fuse):
     from ntx_engine.backends.cuda_backend import CudaBackend
 
-    gf, cfg = synthetic_gguf(synth, tmp_path, shape, "q8_0", layers, seed=5)
+    gf, cfg = synthetic_gguf(synth, tmp_path, shape, mix, layers, seed=5)
     ref = Transformer(cfg, WeightLoader(gf, cfg, NumpyBackend()).load(), NumpyBackend(), n_ctx)
     out = []
     for f in fuse:
@@ -47,11 +51,11 @@ def _forced(model, forward, prompt, toks):
     return [forward(np.asarray([t]), len(prompt) + i)[-1] for i, t in enumerate(toks)]
 
 
-@pytest.mark.parametrize("shape,layers,n_prompt,n_ctx", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
-def test_stack_decode_matches_numpy(cuda_backend, synth, tmp_path, shape, layers, n_prompt, n_ctx):
+@pytest.mark.parametrize("shape,mix,layers,n_prompt,n_ctx", CASES, ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in CASES])
+def test_stack_decode_matches_numpy(cuda_backend, synth, tmp_path, shape, mix, layers, n_prompt, n_ctx):
     from ntx_engine.backends.cuda_graph import DecodeGraph
 
-    ref, (stack, plain, graphed) = _models(synth, tmp_path, shape, layers, n_ctx, ("all,stack", "all", "all,stack"))
+    ref, (stack, plain, graphed) = _models(synth, tmp_path, shape, mix, layers, n_ctx, ("all,stack", "all", "all,stack"))
     prompt = np.random.default_rng(n_prompt).integers(0, ref.cfg.vocab_size, n_prompt)
     ref_toks, ref_logits = greedy(ref.forward, prompt, STEPS)
     seq = [*prompt.tolist(), *ref_toks[:-1]]
@@ -84,12 +88,12 @@ def test_stack_decode_matches_numpy(cuda_backend, synth, tmp_path, shape, layers
 def test_stack_falls_back_with_a_reason(cuda_backend, synth, tmp_path):
     from ntx_engine.backends.cuda_backend import CudaBackend
 
-    gf, cfg = synthetic_gguf(synth, tmp_path, "tiny", "q4_k_m", 2, seed=5)
+    gf, cfg = synthetic_gguf(synth, tmp_path, "tiny", "q4_k_m", 2, seed=5)  # Q6_K rows of 256 values: 210 bytes
     b = CudaBackend(fuse="all,stack")
     model = Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 64)
     ref = CudaBackend(fuse="all")
     other = Transformer(cfg, WeightLoader(gf, cfg, ref).load(), ref, 64)
     prompt = np.arange(7)
     a, c = greedy(model.forward, prompt, 3), greedy(other.forward, prompt, 3)
-    assert "not Q8_0" in (b.stack_why_not or ""), b.stack_why_not
+    assert "not a multiple of 16" in (b.stack_why_not or ""), b.stack_why_not
     assert a[0] == c[0] and all(np.array_equal(x, y) for x, y in zip(a[1], c[1]))
