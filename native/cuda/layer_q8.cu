@@ -435,7 +435,7 @@ struct LqShared {
     uint64_t* empty;  // a slot was read
     int8_t* aq;  // the activation row's Q8_1 values
     float* ad;   // and its fp16-rounded scales
-    float* as;   // and the sums of its 32-value blocks' int8 values (Q4_K's minima)
+    int* as;     // and the sums of its 32-value blocks' int8 values, a 16-value half's each (lq_half_sums)
     float* sc;   // the attention's scores (aliases aq / ad)
     float* qa;   // the group's rotated q, fp16-rounded
     uint16_t *knew, *vnew;
@@ -464,11 +464,11 @@ __device__ __forceinline__ int lq_aq_off(int c) { return (c >> 6) * 256 + (c & 4
 // Four values of a 32-value Q8_1 block (quanti_q8_1_value's values; the block's int8 sum into as unless
 // as is null): every lane of the warp calls it, the 8 lanes 8m..8m+7 holding one block (float4
 // c of the row: values 4c..4c+3, block c / 8); only active lanes store. Warp-uniform callers only.
-__device__ __forceinline__ void lq_quant4(float4 v, bool active, int c, int8_t* aq, float* ad, float* as) {
+__device__ __forceinline__ void lq_quant4(float4 v, bool active, int c, int8_t* aq, float* ad, int* as) {
     if (NTX_LQ_PROBE == 2) {  // the probe without the quantization's arithmetic (garbage out)
         if (active) *reinterpret_cast<char4*>(aq + lq_aq_off(c)) = make_char4(v.x > 0.f, v.y > 0.f, v.z > 0.f, v.w > 0.f);
         if (active && c % 8 == 0) ad[c / 8] = 1.f;
-        if (active && c % 8 == 0 && as != nullptr) as[c / 8] = 0.f;
+        if (active && c % 8 == 0 && as != nullptr) as[c / 8] = 0;
         return;
     }
     float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
@@ -482,11 +482,12 @@ __device__ __forceinline__ void lq_quant4(float4 v, bool active, int c, int8_t* 
         *reinterpret_cast<char4*>(aq + lq_aq_off(c)) = make_char4((signed char)q0, (signed char)q1, (signed char)q2, (signed char)q3);
         if (c % 8 == 0) ad[c / 8] = ntx_round_f16(d);
     }
-    if (as != nullptr) {
+    if (as != nullptr) {  // lanes 8m..8m+3 hold the block's first 16 values, 8m+4..8m+7 its last
         int t = q0 + q1 + q2 + q3;
-#pragma unroll
-        for (int o = 4; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-        if (active && c % 8 == 0) as[c / 8] = (float)t;
+        t += __shfl_xor_sync(0xffffffffu, t, 1);
+        t += __shfl_xor_sync(0xffffffffu, t, 2);
+        const int other = __shfl_xor_sync(0xffffffffu, t, 4);
+        if (active && c % 8 == 0) as[c / 8] = (t & 0xffff) | (other << 16);
     }
 }
 
@@ -515,9 +516,9 @@ __device__ __forceinline__ void lq_load_act(const int8_t* xq, const float* xd, i
         const bool on = i < k / 16;
         const int4 v = on ? __ldcg(reinterpret_cast<const int4*>(xq) + i) : make_int4(0, 0, 0, 0);
         if (on) reinterpret_cast<int4*>(s.aq)[i] = v;
-        int t = __dp4a(v.x, 0x01010101, __dp4a(v.y, 0x01010101, __dp4a(v.z, 0x01010101, __dp4a(v.w, 0x01010101, 0))));
-        t += __shfl_xor_sync(0xffffffffu, t, 8);
-        if (on && !(i & 8)) s.as[(i >> 4) * 8 + (i & 7)] = (float)t;
+        const int t = __dp4a(v.x, 0x01010101, __dp4a(v.y, 0x01010101, __dp4a(v.z, 0x01010101, __dp4a(v.w, 0x01010101, 0))));
+        const int other = __shfl_xor_sync(0xffffffffu, t, 8);
+        if (on && !(i & 8)) s.as[(i >> 4) * 8 + (i & 7)] = (t & 0xffff) | (other << 16);
     }
     for (int i = threadIdx.x; i < k / 32; i += LQ_THREADS) s.ad[i] = __ldcg(xd + i);
     LQ_SYNC();
@@ -576,7 +577,10 @@ __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict
 // loads (not generic ones). The unit decodes are fast_units.cuh's (FastQ8_0, FastQ4_K, FastQ6_K).
 #define LQ_AQ (lq_dyn + LQ_ACT_OFF)
 #define LQ_AD reinterpret_cast<const float*>(lq_dyn + LQ_ACT_OFF + LQ_KMAX)
-#define LQ_AS (LQ_AD + LQ_KMAX / 32)
+#define LQ_AS reinterpret_cast<const int*>(LQ_AD + LQ_KMAX / 32)
+// A unit's activation sums (LqShared::as): its first 16 values' (low half) and its last 16's (high half).
+__device__ __forceinline__ int lq_sum_lo(int v) { return (int)(short)(v & 0xffff); }
+__device__ __forceinline__ int lq_sum_hi(int v) { return v >> 16; }
 
 // The 32 int8 activations of unit u as 8 words (lq_aq_off's layout).
 __device__ __forceinline__ void lq_ldx(int u, int4& xa, int4& xb) {
@@ -640,7 +644,9 @@ __device__ __noinline__ float2 lq_dot_q4_k(int oa, int ob, int units, int pt, in
         int4 x0a, x0b, x1a, x1b;
         lq_ldx(u, x0a, x0b);
         lq_ldx(u + 1, x1a, x1b);
-        const float d0 = LQ_AD[u], d1 = LQ_AD[u + 1], s0 = LQ_AS[u], s1 = LQ_AS[u + 1];
+        const int p0 = LQ_AS[u], p1 = LQ_AS[u + 1];
+        const float d0 = LQ_AD[u], d1 = LQ_AD[u + 1], s0 = (float)(lq_sum_lo(p0) + lq_sum_hi(p0)),
+                    s1 = (float)(lq_sum_lo(p1) + lq_sum_hi(p1));
         const unsigned b0 = 16u * (unsigned)(m & 1);  // byte j % 4 of the scale words: 2m % 4 and 2m % 4 + 1
 #pragma unroll
         for (int e = 0; e < NR; ++e) {
@@ -672,7 +678,8 @@ __device__ __noinline__ float2 lq_dot_q4_k(int oa, int ob, int units, int pt, in
 }
 
 // Q6_K: unit j of a block (half j / 4, s = j % 4) takes nibble s / 2 of the half's low bytes 32 (s % 2) ..
-// and bit pair s of its 32 high bytes, minus 32; two int8 scales of 16 values each, and the block's d. A lane
+// and bit pair s of its 32 high bytes, minus 32 (taken off as 32 x the activations' sums); two int8 scales of
+// 16 values each, and the block's d. A lane
 // takes units 4h + s and 4h + s + 2 (s < 2: the low and high nibbles of the same 32 low bytes, and the same
 // high bytes): items of two units.
 template <int NR>
@@ -686,6 +693,7 @@ __device__ __noinline__ float2 lq_dot_q6_k(int oa, int ob, int units, int pt, in
         lq_ldx(u, x0a, x0b);
         lq_ldx(u + 2, x1a, x1b);
         const float d0 = LQ_AD[u], d1 = LQ_AD[u + 2];
+        const int p0 = LQ_AS[u], p1 = LQ_AS[u + 2];  // the q - 32 of the weights: 32 x the halves' sums off
         const unsigned hs = 2u * (unsigned)s;
 #pragma unroll
         for (int e = 0; e < NR; ++e) {
@@ -695,8 +703,8 @@ __device__ __noinline__ float2 lq_dot_q6_k(int oa, int ob, int units, int pt, in
             lq_ld8(o + 128 + hh * 32, hi);
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                q0[i] = __vsub4((lo[i] & 0x0F0F0F0Fu) | (((hi[i] >> hs) & 0x03030303u) << 4), 0x20202020u);
-                q1[i] = __vsub4(((lo[i] >> 4) & 0x0F0F0F0Fu) | (((hi[i] >> (hs + 4)) & 0x03030303u) << 4), 0x20202020u);
+                q0[i] = (lo[i] & 0x0F0F0F0Fu) | ((hi[i] << (4u - hs)) & 0x30303030u);  // q, 0..63
+                q1[i] = ((lo[i] >> 4) & 0x0F0F0F0Fu) | ((hi[i] >> hs) & 0x30303030u);
             }
             int a0 = 0, a1 = 0, c0 = 0, c1 = 0;  // the four 16-value halves' sums
             a0 = __dp4a((int)q0[0], x0a.x, a0); a0 = __dp4a((int)q0[1], x0a.y, a0);
@@ -709,8 +717,8 @@ __device__ __noinline__ float2 lq_dot_q6_k(int oa, int ob, int units, int pt, in
             c1 = __dp4a((int)q1[6], x1b.z, c1); c1 = __dp4a((int)q1[7], x1b.w, c1);
             const unsigned sa = *reinterpret_cast<const uint16_t*>(lq_dyn + o + 192 + 2 * j);
             const unsigned sb = *reinterpret_cast<const uint16_t*>(lq_dyn + o + 196 + 2 * j);  // unit j + 2's
-            const int i0 = (int)(int8_t)(sa & 0xffu) * a0 + (int)(int8_t)(sa >> 8) * a1;
-            const int i1 = (int)(int8_t)(sb & 0xffu) * c0 + (int)(int8_t)(sb >> 8) * c1;
+            const int i0 = (int)(int8_t)(sa & 0xffu) * (a0 - 32 * lq_sum_lo(p0)) + (int)(int8_t)(sa >> 8) * (a1 - 32 * lq_sum_hi(p0));
+            const int i1 = (int)(int8_t)(sb & 0xffu) * (c0 - 32 * lq_sum_lo(p1)) + (int)(int8_t)(sb >> 8) * (c1 - 32 * lq_sum_hi(p1));
             const float d = ntx_h2f(*reinterpret_cast<const uint16_t*>(lq_dyn + o + 208));
             r[e] += d0 * (d * (float)i0) + d1 * (d * (float)i1);
         }
@@ -991,7 +999,7 @@ __device__ void lq_step(const LqArgs& a) {
         s.ring = p; p += LQ_ACT_OFF;
         s.aq = reinterpret_cast<int8_t*>(p);
         s.ad = reinterpret_cast<float*>(p + LQ_KMAX);
-        s.as = s.ad + LQ_KMAX / 32;
+        s.as = reinterpret_cast<int*>(s.ad + LQ_KMAX / 32);
         s.sc = reinterpret_cast<float*>(p);
         p += LQ_ACT;
         s.qa = reinterpret_cast<float*>(p); p += 4 * LQ_GMAX * HD;
