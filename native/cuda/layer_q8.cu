@@ -596,6 +596,20 @@ __device__ __forceinline__ int lq_dot8(const uint32_t* q, int4 xa, int4 xb) {
     d = __dp4a((int)q[6], xb.z, d); d = __dp4a((int)q[7], xb.w, d);
     return d;
 }
+// lq_dot8 with unsigned weight bytes (dp4a.u32.s32: bytes 0..255 times the signed activations).
+__device__ __forceinline__ int lq_dot8u(const uint32_t* q, int4 xa, int4 xb) {
+    const int x[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    int d = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(d) : "r"(q[i]), "r"(x[i]));
+    return d;
+}
+// NTX_LQ_U4 (default 1): a Q4_K unit's high nibbles are multiplied in place (the bytes & 0xF0: 16 x the
+// nibble, unsigned; the sum times 1/16, exact) instead of shifted down first: one operation a word less.
+#ifndef NTX_LQ_U4
+#define NTX_LQ_U4 1
+#endif
+
 // Eight words from the 2-byte aligned offset o of lq_dyn: aligned word loads joined by a funnel shift (a
 // slot has 16 bytes of padding for the ninth word).
 __device__ __forceinline__ void lq_ld8(int o, uint32_t* w) {
@@ -666,11 +680,12 @@ __device__ __noinline__ float2 lq_dot_q4_k(int oa, int ob, int units, int pt, in
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 lo[i] = w[i] & 0x0F0F0F0Fu;
-                hi[i] = (w[i] >> 4) & 0x0F0F0F0Fu;
+                hi[i] = NTX_LQ_U4 ? w[i] & 0xF0F0F0F0u : (w[i] >> 4) & 0x0F0F0F0Fu;
             }
             const float dd = ntx_h2f((uint16_t)(h.x & 0xffffu)), dm = ntx_h2f((uint16_t)(h.x >> 16));
             const float t0 = __fmul_rn(dd, (float)sc[0]) * (float)lq_dot8(lo, x0a, x0b) - __fmul_rn(dm, (float)mn[0]) * s0;
-            const float t1 = __fmul_rn(dd, (float)sc[1]) * (float)lq_dot8(hi, x1a, x1b) - __fmul_rn(dm, (float)mn[1]) * s1;
+            const float h1 = NTX_LQ_U4 ? (float)lq_dot8u(hi, x1a, x1b) * 0.0625f : (float)lq_dot8(hi, x1a, x1b);
+            const float t1 = __fmul_rn(dd, (float)sc[1]) * h1 - __fmul_rn(dm, (float)mn[1]) * s1;
             r[e] += d0 * t0 + d1 * t1;
         }
     }
