@@ -7,7 +7,7 @@ block's consecutive chunks of the phase; a phase's end markers count as chunks.
 
     NTX_CUDA_DEFINES=-DNTX_LQ_RTRACE=1 python3 scripts/bench_stack_ring.py MODEL.gguf [PROMPT_TOKENS]
 
-(an all-Q8_0 model, e.g. make_synthetic_model.py --shape llama3-8b --mix q8_0)."""
+(a model the stack step takes, e.g. make_synthetic_model.py --shape llama3-8b --mix q8_0 or q4_k_m)."""
 import os
 import sys
 

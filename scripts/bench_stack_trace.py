@@ -7,7 +7,7 @@ on average and how alike the layers' lateness patterns are (1: the same blocks a
 
     python3 scripts/bench_stack_trace.py MODEL.gguf [PROMPT_TOKENS]
 
-(an all-Q8_0 model, e.g. make_synthetic_model.py --shape llama3-8b --mix q8_0; NTX_CUDA_DEFINES
+(a model the stack step takes, e.g. make_synthetic_model.py --shape llama3-8b --mix q8_0 or q4_k_m; NTX_CUDA_DEFINES
 selects a build, e.g. -DNTX_LQ_PROBE=1 for the step without the rows' arithmetic, -DNTX_LQ_ATRACE=1
 for marks inside the attention, -DNTX_LQ_CLK=1 for SM cycles: the "us" columns are then thousands of cycles)."""
 import os

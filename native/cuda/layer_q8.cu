@@ -1,4 +1,5 @@
-// The whole decode step of a Q8_0 model's layers in ONE persistent launch ("stack" decode).
+// The whole decode step of a model's layers in ONE persistent launch ("stack" decode): Q8_0, Q4_K and
+// Q6_K matrices, the same type mix in every layer (lq_mt).
 //
 // The one-kernel-per-op step (fused.cu, attn_grid.cu, matvec_fast.cu) pays, at every op, a
 // launch, a ramp-up and a drain, and its latency-bound ops (the norms, the attention) leave HBM
@@ -26,9 +27,11 @@
 // stores; nothing else synchronizes the grid.
 // The counters are zeroed before each launch (cuda_layers.StackDecode).
 //
-// Rounding: the matvec units are FastQ8_0's (fp16 weight scale times the int dot, times the
-// activation's fp16 scale), summed per row in a fixed order (lane, then warp parts); the norm and
-// the activation quantization are ggml's (rmsnorm.cuh, act_quant.cuh); q and the new k are rounded
+// Rounding: the matvec units are fast_units.cuh's (FastQ8_0, FastQ4_K, FastQ6_K: the block's scales
+// times the int dot, times the activation's fp16 scale), summed per row in a fixed order (lane, then
+// warp parts); every matrix reads Q8_1 activations (32-value blocks, as ggml's CUDA mmvq does; the
+// op-by-op step gives Q4_K and Q6_K ggml's CPU Q8_K, 256-value blocks); the norm and the activation
+// quantization are ggml's (rmsnorm.cuh, act_quant.cuh); q and the new k are rounded
 // to fp16 as in the other attention kernels, p is not (float softmax per chunk), so the step is
 // held to the numpy backend and to the one-kernel-per-op step within tolerances, not bit for bit.
 //
