@@ -73,15 +73,18 @@ def chunk_rows(row_bytes: int, pair: bool) -> int:
 
 
 def layer_chunks(cfg: ModelConfig, sm_count: int, types: tuple | None = None) -> int:
-    """Ring chunks of one layer a block at most (the producer's list, lq_step): each matrix's rows a block
-    in chunks, + 1 a matrix where a chunk ends at its end. types: the 7 matrices' (LAYER_FIELDS), Q8_0 if None."""
+    """Ring chunks of one layer a block at most (the producer's list, lq_step). q|k|v: a block's share of the bytes
+    (lq_r0; of the rows where q, k and v rows have one size) in rows of the smallest, in chunks of the fewest rows,
+    + 1 at each matrix boundary; o, gate/up, down: a block's rows in chunks, + 1. types: the 7 matrices'
+    (LAYER_FIELDS), Q8_0 if None."""
     d, f, kvd = cfg.n_embd, cfg.n_ff, cfg.n_head_kv * cfg.head_dim
     types = types or (GGMLType.Q8_0,) * 7
-    mats = ((d, d, False), (kvd, d, False), (kvd, d, False), (d, d, False), (f, d, True), (d, f, False))
-    total = 0
-    for (rows, k, pair), t in zip(mats, types[:5] + types[6:]):
-        per_block = min(rows, -(-rows // sm_count))
-        total += -(-per_block // chunk_rows(row_bytes(t, k), pair)) + 1
+    rbs = [row_bytes(t, d) for t in types[:3]]
+    share = -(-(d * rbs[0] + kvd * (rbs[1] + rbs[2])) // sm_count)
+    rows = min(d + 2 * kvd, share // min(rbs) + 1)
+    total = -(-rows // min(chunk_rows(rb, False) for rb in rbs)) + 3
+    for rows, k, t, pair in ((d, d, types[3], False), (f, d, types[4], True), (d, f, types[6], False)):
+        total += -(-min(rows, -(-rows // sm_count)) // chunk_rows(row_bytes(t, k), pair)) + 1
     return total
 
 

@@ -54,9 +54,9 @@ def test_llama3_8b_q8_0_and_q4_k_m_fit_the_h200():
     (dict(cfg=_cfg(n_ff=14000)), "n_ff 14000"),
     (dict(cfg=_cfg(n_ff=28672)), "n_ff 28672"),
     (dict(layers=_layers(n=97)), "97 layers"),
-    # a block's rows in chunks, + 1 a matrix: q 512 / 8, k and v 128 / 8, o 512 / 8, gate/up 1792 / 4, down 512 / 2
-    (dict(sm_count=8), "870 ring chunks"),
-    (dict(cfg=_cfg(n_ff=4096), sm_count=8), "358 ring chunks"),  # gate/up 512 / 4, down 512 / 8
+    # a block's rows in chunks: q|k|v (768 + 1) / 8 + 3, o 512 / 8 + 1, gate/up 1792 / 4 + 1, down 512 / 2 + 1
+    (dict(sm_count=8), "871 ring chunks"),
+    (dict(cfg=_cfg(n_ff=4096), sm_count=8), "359 ring chunks"),  # gate/up 512 / 4 + 1, down 512 / 8 + 1
     (dict(n_ctx=1 << 20), "n_ctx 1048576 is too long"),
     (dict(smem_optin=166912), "shared memory"),
 ])
