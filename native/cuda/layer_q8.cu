@@ -319,13 +319,17 @@ __device__ __forceinline__ int lq_pool(const LqArgs& a, int ph) {
 __device__ __forceinline__ int lq_owned(const LqArgs& a, int ph) { return lq_rows(a, ph) - lq_pool(a, ph) * lq_rpc(ph); }
 // Where block b's rows of phase ph start. Where q, k and v rows differ in size (Q4_K_M: v is Q6_K) the blocks take
 // even shares of the q|k|v bytes, not of the rows: by rows, the blocks owning v rows streamed 46 % more bytes and
-// ended q/k/v ~2.4 us after the others, in every layer, with the attention waiting for them.
+// ended q/k/v ~2.4 us after the others, in every layer, with the attention waiting for them. NTX_LQ_Q6W (a tuning
+// probe, default 100): a Q6_K byte counts as that many hundredths of another type's (its arithmetic costs more).
+#ifndef NTX_LQ_Q6W
+#define NTX_LQ_Q6W 100
+#endif
+__device__ __forceinline__ long long lq_row_cost(int m) { return (long long)lq_mt[m].rb * (lq_mt[m].type == LQ_Q6_K ? NTX_LQ_Q6W : 100); }
 __device__ __forceinline__ int lq_r0(const LqArgs& a, int ph, int b) {
     if (ph == 0 && (lq_mt[1].rb != lq_mt[0].rb || lq_mt[2].rb != lq_mt[0].rb)) {
-        const long long kvd = lq_kvd(a), bq = (long long)a.D * lq_mt[0].rb, bk = kvd * lq_mt[1].rb, bv = kvd * lq_mt[2].rb;
-        const long long at = (long long)b * (bq + bk + bv) / gridDim.x;  // the share's first byte
-        return at < bq ? (int)(at / lq_mt[0].rb)
-                       : at < bq + bk ? a.D + (int)((at - bq) / lq_mt[1].rb) : a.D + (int)kvd + (int)((at - bq - bk) / lq_mt[2].rb);
+        const long long kvd = lq_kvd(a), cq = lq_row_cost(0), ck = lq_row_cost(1), cv = lq_row_cost(2);
+        const long long bq = a.D * cq, bk = kvd * ck, at = (long long)b * (bq + bk + kvd * cv) / gridDim.x;  // the share's start
+        return at < bq ? (int)(at / cq) : at < bq + bk ? a.D + (int)((at - bq) / ck) : a.D + (int)kvd + (int)((at - bq - bk) / cv);
     }
     return (int)((unsigned)b * (unsigned)lq_owned(a, ph) / gridDim.x);
 }
@@ -658,14 +662,21 @@ __device__ __forceinline__ float2 lq_dot_q8_0(int oa, int ob, int units, int pt,
     return make_float2(r[0], r[1]);
 }
 
+// The K-quant forms' loop: items of two units it = pt * 32 + lane, step 32 wpr (of units / 2), item(it, r) adding
+// the NR rows' sums into r.
+template <int NR, class Item>
+__device__ __forceinline__ float2 lq_items(int units, int pt, int wpr, Item item) {
+    float r[2] = {0.f, 0.f};
+    for (int it = pt * 32 + (int)(threadIdx.x & 31); it < units / 2; it += 32 * wpr) item(it, r);
+    return make_float2(r[0], r[1]);
+}
+
 // Q4_K: unit j of a block is nibble j % 2 of its bytes 16 + 32 (j / 2) ..; its scale and minimum are
 // ntx_k_scale_min's (6-bit, from the block's 12 bytes at 4); the minimum's term takes the activations' sum. A
 // lane takes units 2m and 2m + 1 of a block (the low and high nibbles of the same 32 bytes): items of two units.
 template <int NR>
 __device__ __noinline__ float2 lq_dot_q4_k(int oa, int ob, int units, int pt, int wpr) {
-    const int lane = threadIdx.x & 31;
-    float r[2] = {0.f, 0.f};
-    for (int it = pt * 32 + lane; it < units / 2; it += 32 * wpr) {
+    return lq_items<NR>(units, pt, wpr, [&](int it, float* r) {
         const int m = it & 3, u = 2 * it, bo = (it >> 2) * 144;  // units u, u + 1; blocks: 16-byte aligned
         int4 x0a, x0b, x1a, x1b;
         lq_ldx(u, x0a, x0b);
@@ -700,20 +711,16 @@ __device__ __noinline__ float2 lq_dot_q4_k(int oa, int ob, int units, int pt, in
             const float t1 = __fmul_rn(dd, (float)sc[1]) * h1 - __fmul_rn(dm, (float)mn[1]) * s1;
             r[e] += d0 * t0 + d1 * t1;
         }
-    }
-    return make_float2(r[0], r[1]);
+    });
 }
 
 // Q6_K: unit j of a block (half j / 4, s = j % 4) takes nibble s / 2 of the half's low bytes 32 (s % 2) ..
 // and bit pair s of its 32 high bytes, minus 32 (taken off as 32 x the activations' sums); two int8 scales of
-// 16 values each, and the block's d. A lane
-// takes units 4h + s and 4h + s + 2 (s < 2: the low and high nibbles of the same 32 low bytes, and the same
-// high bytes): items of two units.
+// 16 values each, and the block's d. A lane takes units 4h + s and 4h + s + 2 (s < 2: the low and high nibbles
+// of the same 32 low bytes, and the same high bytes): items of two units.
 template <int NR>
 __device__ __noinline__ float2 lq_dot_q6_k(int oa, int ob, int units, int pt, int wpr) {
-    const int lane = threadIdx.x & 31;
-    float r[2] = {0.f, 0.f};
-    for (int it = pt * 32 + lane; it < units / 2; it += 32 * wpr) {
+    return lq_items<NR>(units, pt, wpr, [&](int it, float* r) {
         const int k = it & 3, hh = k >> 1, s = k & 1, j = 4 * hh + s, u = (it >> 2) * 8 + j;  // units u, u + 2
         const int bo = (it >> 2) * 210;  // blocks: 2-byte aligned
         int4 x0a, x0b, x1a, x1b;
@@ -749,8 +756,7 @@ __device__ __noinline__ float2 lq_dot_q6_k(int oa, int ob, int units, int pt, in
             const float d = ntx_h2f(*reinterpret_cast<const uint16_t*>(lq_dyn + o + 208));
             r[e] += d0 * (d * (float)i0) + d1 * (d * (float)i1);
         }
-    }
-    return make_float2(r[0], r[1]);
+    });
 }
 
 // Rows oa and ob (two) or oa alone.
