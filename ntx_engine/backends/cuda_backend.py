@@ -14,7 +14,7 @@ next matmul's activation quantization as one: `add` of two same-shape arrays is 
 kernel; every other op launches the held add first (`flush`); "attn" the decode attention's last
 block also quantizes its output for the matmul that reads it (the o projection). Each fused kernel
 computes bit for bit what the unfused kernels compute. "stack" (opt-in, not in "all") runs a
-one-token step's layers in one persistent launch where every layer matrix is Q8_0
+one-token step's layers in one persistent launch where every layer matrix is Q8_0, Q4_K or Q6_K
 (`decode_stack`, backends/cuda_layers.py): held to the numpy backend within tolerances, not bit
 for bit.
 """
