@@ -461,8 +461,8 @@ struct LqShared {
     double* part;  // the norm's warp totals
     float* stat;   // [2][LQ_GMAX] the attention's running maxima (order-preserving ints)
     uint2* desc;   // [LQ_SLOTS] the LqChunk a slot holds (the producer writes it before the slot's copies)
-    float* cpart;  // [LQ_SLOTS][LQ_WARPS] a chunk's row parts (gate/up: its gate rows', then its up rows')
-    int* ccnt;     // [LQ_SLOTS][LQ_WARPS] the parts of a chunk's output row written (the last writer adds them)
+    float* cpart;  // [LQ_SLOTS][LQ_WARPS] a chunk's row parts (row r's part p at r * wpr + p; gate/up: gate rows first)
+    int* ccnt;     // [LQ_SLOTS][LQ_WARPS] the parts of a chunk's item written (the last writer adds them)
     int* flag;  // [0] the attention's last-chunk flag, [1] the phases released to the producer, [2] [3] the ring
                 // trace's first chunk and layer, [4 + g] where consumer group g read its end of a phase
 };
@@ -770,11 +770,12 @@ __device__ __forceinline__ float2 lq_row_dot(int oa, int ob, bool two, int units
 // A phase's chunks against the activations in aq / ad, chunk by chunk from the ring, until each group
 // reads its end of the phase: the block's own rows, then the pool's chunks its producer claimed (NTX_LQ_POOL).
 // Chunk i is read by warp group i % LQ_GROUPS alone (LQ_GW warps): each warp waits for the slot, reads which
-// rows it holds (s.desc), computes its part of one of them and releases the slot itself (the "empty" mbarrier
+// rows it holds (s.desc), computes its part of them and releases the slot itself (the "empty" mbarrier
 // counts a group's warps), so no barrier a chunk and the groups overlap. A chunk's rows (gate/up: its gate
-// rows, then its up rows) go to the group's warps, wpr warps a row when there are fewer rows than warps; where
-// an output takes several parts (wpr > 1, or gate/up's two rows) the warp that writes the last of them adds
-// them in a fixed order. out(row, total, up total, res[row]) gets each output row. it: the ring's running
+// rows, then its up rows) go to the group's warps as items (lq_mat_init): row pairs (a gate row with its up
+// row; two rows where they outnumber the warps) or single rows, wpr warps an item; where an item takes several
+// parts (wpr > 1) the warp that writes the last of them adds them in a fixed order. out(row, total, up total,
+// res[row]) gets each output row. it: the ring's running
 // chunk count (slot it % NTX_LQ_SLOTS, parity (it / NTX_LQ_SLOTS) & 1), past the phase's ends on return.
 template <class Out>
 __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& it, const float* res, Out out) {
