@@ -16,7 +16,7 @@ import numpy as np
 
 from ntx_engine.backends.cuda_driver import DeviceArray, check, download, driver, upload
 from ntx_engine.config import ROPE_NEOX, ModelConfig
-from ntx_engine.quants import GGMLType
+from ntx_engine.quants import GGMLType, tensor_nbytes
 
 SOURCE = "layer_q8.cu"
 THREADS = 512  # LQ_THREADS: the consumer threads
@@ -37,10 +37,8 @@ LAYER_BYTES = 8 * 11  # sizeof(LqLayer)
 STATIC_SMEM = 768  # at least the kernel's static shared memory (ptxas: 512 bytes)
 GROUPS = 2  # LQ_GROUPS: consumer warp groups (chunk i: group i % GROUPS)
 GROUP_WARPS = THREADS // 32 // GROUPS  # LQ_GW
-# The weight types of the kernel's matrices (LQ_Q8_0, LQ_Q4_K, LQ_Q6_K: its `types` word, a nibble a matrix)
-# and the bytes of a block of each (32, 256 and 256 values).
+# The weight types of the kernel's matrices (LQ_Q8_0, LQ_Q4_K, LQ_Q6_K: its `types` word, a nibble a matrix).
 TYPE_CODES = {GGMLType.Q8_0: 0, GGMLType.Q4_K: 1, GGMLType.Q6_K: 2}
-QUANT_BLOCK = {GGMLType.Q8_0: (32, 34), GGMLType.Q4_K: (256, 144), GGMLType.Q6_K: (256, 210)}
 HEAD_DIMS = (64, 128)  # the kernels built (layer_q8_hd64, layer_q8_hd128)
 LAYER_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm", "ffn_norm")  # + k, v caches
 
@@ -51,12 +49,6 @@ def stack_smem(head_dim: int, group: int) -> int:
     return (SLOTS * SLOT + ACT_BYTES + 4 * GMAX * head_dim + 4 * npg * group * head_dim
             + 2 * 2 * head_dim + KVS + 4 * 2 * GMAX + 8 * 32 + 32 + 8 * SLOTS + 2 * 4 * SLOTS * (THREADS // 32)
             + 4 * npg * group + LAYER_BYTES * MAX_LAYERS + CHUNK_BYTES * CHUNK_MAX + 2 * 8 * SLOTS)
-
-
-def row_bytes(ggml_type, k: int) -> int:
-    """Bytes of a row of k values of a matrix of one of TYPE_CODES' types."""
-    qk, nb = QUANT_BLOCK[ggml_type]
-    return k // qk * nb
 
 
 def chunk_rows(row_bytes: int, pair: bool) -> int:
@@ -79,12 +71,12 @@ def layer_chunks(cfg: ModelConfig, sm_count: int, types: tuple | None = None) ->
     (LAYER_FIELDS), Q8_0 if None."""
     d, f, kvd = cfg.n_embd, cfg.n_ff, cfg.n_head_kv * cfg.head_dim
     types = types or (GGMLType.Q8_0,) * 7
-    rbs = [row_bytes(t, d) for t in types[:3]]
+    rbs = [tensor_nbytes(t, d) for t in types[:3]]
     share = -(-(d * rbs[0] + kvd * (rbs[1] + rbs[2])) // sm_count)
     rows = min(d + 2 * kvd, share // min(rbs) + 1)
     total = -(-rows // min(chunk_rows(rb, False) for rb in rbs)) + 3
     for rows, k, t, pair in ((d, d, types[3], False), (f, d, types[4], True), (d, f, types[6], False)):
-        total += -(-min(rows, -(-rows // sm_count)) // chunk_rows(row_bytes(t, k), pair)) + 1
+        total += -(-min(rows, -(-rows // sm_count)) // chunk_rows(tensor_nbytes(t, k), pair)) + 1
     return total
 
 
@@ -107,7 +99,7 @@ def stack_unfit(cfg: ModelConfig, layers: list, n_ctx: int, cc: tuple[int, int],
     if d % 256 or f % 256 or d > NORM_MAX or f > KMAX:
         return f"n_embd {d} / n_ff {f} (multiples of 256, at most {NORM_MAX} / {KMAX})"
     types = None
-    for lw in layers:
+    for i, lw in enumerate(layers):
         mine = []
         for name in LAYER_FIELDS[:7]:
             w = getattr(lw, name, None)
@@ -116,14 +108,14 @@ def stack_unfit(cfg: ModelConfig, layers: list, n_ctx: int, cc: tuple[int, int],
                 return (f"{getattr(w, 'name', name)} is {getattr(t, 'name', type(w).__name__)}, not one of the kernel's "
                         f"types ({', '.join(x.name for x in TYPE_CODES)})")
             k = f if name == "w_down" else d
-            if row_bytes(t, k) % 16:
-                return (f"{getattr(w, 'name', name)}: a row of {k} {t.name} values is {row_bytes(t, k)} bytes, not a "
+            if tensor_nbytes(t, k) % 16:
+                return (f"{getattr(w, 'name', name)}: a row of {k} {t.name} values is {tensor_nbytes(t, k)} bytes, not a "
                         f"multiple of 16 (the ring's bulk copies)")
             mine.append(t)
         if mine[4] != mine[5]:
             return f"ffn_gate is {mine[4].name} and ffn_up {mine[5].name} (a ring chunk holds both: one type)"
         if types is not None and tuple(mine) != types:
-            return (f"layer {layers.index(lw)}'s matrices are {'/'.join(x.name for x in mine)}, layer 0's "
+            return (f"layer {i}'s matrices are {'/'.join(x.name for x in mine)}, layer 0's "
                     f"{'/'.join(x.name for x in types)} (the kernel takes one type mix for every layer)")
         types = tuple(mine)
     chunks = layer_chunks(cfg, sm_count, types)
