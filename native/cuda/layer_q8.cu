@@ -604,13 +604,14 @@ __device__ __forceinline__ void lq_ldx(int u, int4& xa, int4& xb) {
     xa = *reinterpret_cast<const int4*>(xp);
     xb = *reinterpret_cast<const int4*>(xp + 128);
 }
-__device__ __forceinline__ int lq_dot8(const uint32_t* q, int4 xa, int4 xb) {
-    int d = 0;
-    d = __dp4a((int)q[0], xa.x, d); d = __dp4a((int)q[1], xa.y, d);
-    d = __dp4a((int)q[2], xa.z, d); d = __dp4a((int)q[3], xa.w, d);
-    d = __dp4a((int)q[4], xb.x, d); d = __dp4a((int)q[5], xb.y, d);
-    d = __dp4a((int)q[6], xb.z, d); d = __dp4a((int)q[7], xb.w, d);
+// Four weight words against four activation words (16 values), added to d.
+__device__ __forceinline__ int lq_dot4(const uint32_t* q, int4 x, int d) {
+    d = __dp4a((int)q[0], x.x, d); d = __dp4a((int)q[1], x.y, d);
+    d = __dp4a((int)q[2], x.z, d); d = __dp4a((int)q[3], x.w, d);
     return d;
+}
+__device__ __forceinline__ int lq_dot8(const uint32_t* q, int4 xa, int4 xb) {
+    return lq_dot4(q + 4, xb, lq_dot4(q, xa, 0));
 }
 // lq_dot8 with unsigned weight bytes (dp4a.u32.s32: bytes 0..255 times the signed activations).
 __device__ __forceinline__ int lq_dot8u(const uint32_t* q, int4 xa, int4 xb) {
@@ -740,15 +741,8 @@ __device__ __noinline__ float2 lq_dot_q6_k(int oa, int ob, int units, int pt, in
                 q0[i] = (lo[i] & 0x0F0F0F0Fu) | ((hi[i] << (4u - hs)) & 0x30303030u);  // q, 0..63
                 q1[i] = ((lo[i] >> 4) & 0x0F0F0F0Fu) | ((hi[i] >> hs) & 0x30303030u);
             }
-            int a0 = 0, a1 = 0, c0 = 0, c1 = 0;  // the four 16-value halves' sums
-            a0 = __dp4a((int)q0[0], x0a.x, a0); a0 = __dp4a((int)q0[1], x0a.y, a0);
-            a0 = __dp4a((int)q0[2], x0a.z, a0); a0 = __dp4a((int)q0[3], x0a.w, a0);
-            a1 = __dp4a((int)q0[4], x0b.x, a1); a1 = __dp4a((int)q0[5], x0b.y, a1);
-            a1 = __dp4a((int)q0[6], x0b.z, a1); a1 = __dp4a((int)q0[7], x0b.w, a1);
-            c0 = __dp4a((int)q1[0], x1a.x, c0); c0 = __dp4a((int)q1[1], x1a.y, c0);
-            c0 = __dp4a((int)q1[2], x1a.z, c0); c0 = __dp4a((int)q1[3], x1a.w, c0);
-            c1 = __dp4a((int)q1[4], x1b.x, c1); c1 = __dp4a((int)q1[5], x1b.y, c1);
-            c1 = __dp4a((int)q1[6], x1b.z, c1); c1 = __dp4a((int)q1[7], x1b.w, c1);
+            // the four 16-value halves' sums
+            const int a0 = lq_dot4(q0, x0a, 0), a1 = lq_dot4(q0 + 4, x0b, 0), c0 = lq_dot4(q1, x1a, 0), c1 = lq_dot4(q1 + 4, x1b, 0);
             const unsigned sa = *reinterpret_cast<const uint16_t*>(lq_dyn + o + 192 + 2 * j);
             const unsigned sb = *reinterpret_cast<const uint16_t*>(lq_dyn + o + 196 + 2 * j);  // unit j + 2's
             const int i0 = (int)(int8_t)(sa & 0xffu) * (a0 - 32 * lq_sum_lo(p0)) + (int)(int8_t)(sa >> 8) * (a1 - 32 * lq_sum_hi(p0));
