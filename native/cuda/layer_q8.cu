@@ -123,6 +123,11 @@ static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ri
 #ifndef NTX_LQ_EVICT_FIRST
 #define NTX_LQ_EVICT_FIRST 1
 #endif
+// NTX_LQ_SUMS (a benchmark's probe, default 0): 1 keeps the activations' half sums where every matrix is Q8_0 (which
+// reads none of them)
+#ifndef NTX_LQ_SUMS
+#define NTX_LQ_SUMS 0
+#endif
 
 struct LqLayer {  // cuda_layers.LAYER_FIELDS, in this order
     const uint8_t *wq, *wk, *wv, *wo, *wg, *wu, *wd;
@@ -451,7 +456,7 @@ struct LqShared {
     uint64_t* empty;  // a slot was read
     int8_t* aq;  // the activation row's Q8_1 values
     float* ad;   // and its fp16-rounded scales
-    int* as;     // and the sums of its 32-value blocks' int8 values, a 16-value half's each (lq_half_sums)
+    int* as;     // and the sums of its 32-value blocks' int8 values, a 16-value half's each (null: every matrix Q8_0)
     float* sc;   // the attention's scores (aliases aq / ad)
     float* qa;   // the group's rotated q, fp16-rounded
     uint16_t *knew, *vnew;
@@ -532,6 +537,7 @@ __device__ __forceinline__ void lq_load_act(const int8_t* xq, const float* xd, i
         const bool on = i < k / 16;
         const int4 v = on ? __ldcg(reinterpret_cast<const int4*>(xq) + i) : make_int4(0, 0, 0, 0);
         if (on) reinterpret_cast<int4*>(s.aq)[i] = v;
+        if (s.as == nullptr) continue;  // (warp-uniform: every matrix Q8_0)
         const int t = __dp4a(v.x, 0x01010101, __dp4a(v.y, 0x01010101, __dp4a(v.z, 0x01010101, __dp4a(v.w, 0x01010101, 0))));
         const int other = __shfl_xor_sync(0xffffffffu, t, 8);
         if (on && !(i & 8)) s.as[(i >> 4) * 8 + (i & 7)] = (t & 0xffff) | (other << 16);
@@ -1027,7 +1033,8 @@ __device__ void lq_step(const LqArgs& a) {
         s.ring = p; p += LQ_ACT_OFF;
         s.aq = reinterpret_cast<int8_t*>(p);
         s.ad = reinterpret_cast<float*>(p + LQ_KMAX);
-        s.as = reinterpret_cast<int*>(s.ad + LQ_KMAX / 32);
+        // the sums only where a matrix is a K-quant (Q8_0 reads none; NTX_LQ_SUMS=1 keeps them: a probe)
+        s.as = a.types != 0 || NTX_LQ_SUMS ? reinterpret_cast<int*>(s.ad + LQ_KMAX / 32) : nullptr;
         s.sc = reinterpret_cast<float*>(p);
         p += LQ_ACT;
         s.qa = reinterpret_cast<float*>(p); p += 4 * LQ_GMAX * HD;
