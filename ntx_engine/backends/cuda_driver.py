@@ -239,16 +239,31 @@ class Module:
 def launch_pdl(func, cfg: LaunchConfig, args: tuple, stream: Stream, name: str) -> None:
     """Launch with programmatic stream serialization (Hopper PDL): the grid may be scheduled
     while the previous one finishes; the kernels' NTX_PDL() waits for it before any work."""
+    launch_ex(func, cfg, args, stream, name, pdl=True)
+
+
+def launch_ex(func, cfg: LaunchConfig, args: tuple, stream: Stream, name: str, *, pdl: bool = False,
+              cooperative: bool = False) -> None:
+    """cuLaunchKernelEx with PDL (launch_pdl) and/or as a cooperative grid: every block resident at once, or the
+    launch fails (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) instead of a grid that waits on blocks never scheduled."""
     drv = driver()
     values, ptrs = pack_args(args)
-    attr = drv.CUlaunchAttribute()
-    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmaticStreamSerializationAllowed = 1
+    attrs = []
+    if pdl:
+        attr = drv.CUlaunchAttribute()
+        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+    if cooperative:
+        attr = drv.CUlaunchAttribute()
+        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+        attr.value.cooperative = 1
+        attrs.append(attr)
     lc = drv.CUlaunchConfig()
     lc.gridDimX, lc.gridDimY, lc.gridDimZ = cfg.grid
     lc.blockDimX, lc.blockDimY, lc.blockDimZ = cfg.block
     lc.sharedMemBytes, lc.hStream = cfg.smem, stream.handle
-    lc.attrs, lc.numAttrs = [attr], 1
+    lc.attrs, lc.numAttrs = attrs, len(attrs)
     check(drv.cuLaunchKernelEx(lc, func, ctypes.addressof(ptrs), 0), f"cuLaunchKernelEx({name})")
     del values
 

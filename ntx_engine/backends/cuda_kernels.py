@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ntx_engine.backends import cuda_nvrtc
 from ntx_engine.backends.cuda_driver import (Device, DeviceArray, LaunchConfig, Module, Stream, check, driver, launch,
-                                             launch_pdl)
+                                             launch_ex, launch_pdl)
 from ntx_engine.quants import GGMLType
 
 # ggml type -> suffix of its matvec_/embed_ kernels (NTX_FOR_EACH_TYPE in ntx_quants.cuh)
@@ -229,18 +229,26 @@ class Kernels:
     def fn(self, source: str, name: str):
         return self.modules[source].function(name)
 
-    def _go(self, source: str, name: str, grid, block, args, stream: Stream, smem: int = 0) -> None:
+    def _go(self, source: str, name: str, grid, block, args, stream: Stream, smem: int = 0,
+            cooperative: bool = False) -> None:
+        """Launch kernel `name` of `source` (cooperative: every block resident at once, or a launch error)."""
         if name in self.drop:
             return
         cfg = LaunchConfig(tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block)), smem)
         if self.profile is None:
-            (launch_pdl if self.pdl else launch)(self.fn(source, name), cfg, args, stream, name)
+            if cooperative:
+                launch_ex(self.fn(source, name), cfg, args, stream, name, pdl=self.pdl, cooperative=True)
+            else:
+                (launch_pdl if self.pdl else launch)(self.fn(source, name), cfg, args, stream, name)
             return
         from ntx_engine.backends.cuda_driver import Event
 
         e0, e1 = Event(), Event()
         e0.record(stream)
-        launch(self.fn(source, name), cfg, args, stream, name)
+        if cooperative:
+            launch_ex(self.fn(source, name), cfg, args, stream, name, cooperative=True)
+        else:
+            launch(self.fn(source, name), cfg, args, stream, name)
         e1.record(stream)
         self.profile.append((name, e0, e1))
 
