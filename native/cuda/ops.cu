@@ -58,8 +58,10 @@ extern "C" __global__ void kv_store(const float* k, const float* v, uint16_t* kc
 // Index of the largest logit (the first on ties, as numpy's argmax); one block of 1024.
 // feed_ids / feed_pos (both or neither; the decode graph's last kernel): the index is also the next
 // step's token id and the step's position advances by one, so the next replay needs no upload
-// (cuda_graph.DecodeGraph.greedy_stream; every kernel of the step before this one has finished).
-extern "C" __global__ void argmax(const float* x, int n, int* out, int* feed_ids, int* feed_pos) {
+// (cuda_graph.DecodeGraph.greedy_stream; every kernel of the step before this one has finished);
+// hist (with them, or null): mapped host memory, hist[position] = the index, so the host reads the
+// step's token without a copy in the stream between two steps.
+extern "C" __global__ void argmax(const float* x, int n, int* out, int* feed_ids, int* feed_pos, int* hist) {
     NTX_PDL();
     __shared__ float bv[1024];
     __shared__ int bi[1024];
@@ -84,8 +86,10 @@ extern "C" __global__ void argmax(const float* x, int n, int* out, int* feed_ids
     if (threadIdx.x == 0) {
         *out = bi[0];
         if (feed_ids != nullptr) {
+            const int p = *feed_pos;
+            if (hist != nullptr) hist[p] = bi[0];
             *feed_ids = bi[0];
-            *feed_pos += 1;
+            *feed_pos = p + 1;
         }
     }
 }

@@ -204,13 +204,16 @@ class LaunchConfig:
 def pack_args(args: tuple) -> tuple[list, ctypes.Array]:
     """ctypes values for kernel arguments and the void* array pointing at them. DeviceArray and
     None become pointers, Python int a 32-bit int, float a 32-bit float: kernels take exactly
-    these types, which keeps the packing free of per-kernel signatures."""
+    these types, which keeps the packing free of per-kernel signatures. Mapped HostSlots become their
+    device address."""
     values: list = []
     for a in args:
         if isinstance(a, DeviceArray):
             values.append(ctypes.c_uint64(a.ptr))
         elif a is None:
             values.append(ctypes.c_uint64(0))
+        elif isinstance(a, HostSlots) and a.dptr:
+            values.append(ctypes.c_uint64(a.dptr))
         elif isinstance(a, (bool, int, np.integer)):
             values.append(ctypes.c_int32(int(a)))
         elif isinstance(a, (float, np.floating)):
@@ -287,17 +290,17 @@ def upload(pool: MemoryPool, host: np.ndarray, stream: Stream, out: DeviceArray 
 
 
 class HostSlots:
-    """A few page-locked int32 words (cuMemHostAlloc) that device values are copied into without
-    blocking the host (copy_in), read after an event of the stream says the copy is done."""
+    """Page-locked int32 words (cuMemHostAlloc) that the host reads (values) after an event of the stream
+    says the device has written them. mapped: the device has an address for them (dptr; a kernel argument
+    passes it), so a kernel writes them itself, with no copy in the stream."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, mapped: bool = False) -> None:
+        drv = driver()
         self.ptr = 0  # (set before the call: a failed allocation leaves nothing to free)
-        self.ptr = int(check(driver().cuMemHostAlloc(4 * n, 0), f"cuMemHostAlloc({4 * n} bytes)"))
+        flags = drv.CU_MEMHOSTALLOC_DEVICEMAP if mapped else 0
+        self.ptr = int(check(drv.cuMemHostAlloc(4 * n, flags), f"cuMemHostAlloc({4 * n} bytes)"))
+        self.dptr = int(check(drv.cuMemHostGetDevicePointer(self.ptr, 0), "cuMemHostGetDevicePointer")) if mapped else 0
         self.values = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(self.ptr))
-
-    def copy_in(self, slot: int, dev: DeviceArray, stream: Stream) -> None:
-        """Slot `slot` = the first int32 of dev, once the stream gets there."""
-        check(driver().cuMemcpyDtoHAsync(self.ptr + 4 * slot, dev.ptr, 4, stream.handle), "cuMemcpyDtoHAsync(4 bytes)")
 
     def __del__(self) -> None:
         ptr, self.ptr = self.ptr, 0

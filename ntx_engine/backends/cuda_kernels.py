@@ -399,10 +399,11 @@ class Kernels:
         n = k.shape[0]
         self._go("ops.cu", "kv_store", (_cdiv(kv_dim, 128), n), (128,), (k, v, kc, vc, pos, kv_dim), stream)
 
-    def argmax(self, x, out, stream, feed: tuple | None = None) -> None:
-        """out = argmax(x); feed = (ids, pos) device int32 arrays: also ids[0] = out, pos[0] += 1."""
+    def argmax(self, x, out, stream, feed: tuple | None = None, hist=None) -> None:
+        """out = argmax(x); feed = (ids, pos) device int32 arrays: also ids[0] = out, pos[0] += 1, and
+        hist[pos[0]] = out where hist (mapped HostSlots, with feed) is given."""
         ids, pos = feed if feed is not None else (None, None)
-        self._go("ops.cu", "argmax", (1,), (1024,), (x, x.size, out, ids, pos), stream)
+        self._go("ops.cu", "argmax", (1,), (1024,), (x, x.size, out, ids, pos, hist if feed else None), stream)
 
     def attention(self, q, kc, vc, out, pos, n_head, n_kv, head_dim, n_ctx, scale, stream) -> None:
         n = q.shape[0]
