@@ -13,10 +13,11 @@ next matmul's activation quantization as one: `add` of two same-shape arrays is 
 (`_pending`) until the next op, and when that op is the rmsnorm of its result both run in one
 kernel; every other op launches the held add first (`flush`); "attn" the decode attention's last
 block also quantizes its output for the matmul that reads it (the o projection). Each fused kernel
-computes bit for bit what the unfused kernels compute. "stack" (opt-in, not in "all") runs a
-one-token step's layers in one persistent launch where every layer matrix is Q8_0, Q4_K or Q6_K
-(`decode_stack`, backends/cuda_layers.py): held to the numpy backend within tolerances, not bit
-for bit.
+computes bit for bit what the unfused kernels compute. "stack" (not in "all") runs a one-token
+step's layers in one persistent launch where every layer matrix is Q8_0, Q4_K or Q6_K (`decode_stack`,
+backends/cuda_layers.py): held to the numpy backend within tolerances, not bit for bit; "stack8" the
+same where every layer matrix is Q8_0 only. The default is "all,stack8": at 8B the stack step is
+faster than the layer-by-layer kernels for Q8_0 and slower for Q4_K_M (docs/cuda.md).
 """
 
 from __future__ import annotations
@@ -34,15 +35,17 @@ from ntx_engine.backends.cuda_kernels import (ATTN_CHUNK, BLOCK_ELEMENTS, KERNEL
 from ntx_engine.config import ROPE_NEOX, ModelConfig
 from ntx_engine.quants import GGMLType
 
-FUSIONS = ("qkv", "ffn", "rope", "norm", "attn", "stack")
-OPT_IN_FUSIONS = frozenset({"stack"})  # named explicitly; "all" is the others
+FUSIONS = ("qkv", "ffn", "rope", "norm", "attn", "stack", "stack8")
+OPT_IN_FUSIONS = frozenset({"stack", "stack8"})  # named explicitly; "all" is the others (bit for bit)
 ATTN_VARIANTS = ("grid", "split", "single")
 # prefill GEMM (dequant.cu + cuBLAS): a matmul of at least GEMM_MIN_TOKENS rows decodes the weight
 # to fp16 in slabs of at most GEMM_SLAB_BYTES and runs one tensor-core GEMM per slab
 GEMM_MIN_TOKENS = 32
 GEMM_SLAB_BYTES = 128 << 20
 GEMM_TYPES = frozenset(KERNEL_TYPES) - {GGMLType.F32, GGMLType.BF16}  # fp16 holds these exactly or as ggml rounds
-DEFAULT_FUSE = "all"  # tests/cuda/test_fused_gpu.py passed on the H200: fused == unfused, bit for bit
+# tests/cuda/test_fused_gpu.py passed on the H200 ("all": fused == unfused, bit for bit), and the whole GPU suite
+# with the stack step for Q8_0 models ("stack8")
+DEFAULT_FUSE = "all,stack8"
 
 
 def gemm_workspace_bytes(cfg: ModelConfig) -> int:
@@ -485,16 +488,22 @@ class CudaBackend:
         return xq, xd, xs, qmode
 
     def decode_stack(self, layers: list, x: DeviceArray, start: int) -> DeviceArray | None:
-        """"stack": every layer for the one token x at position start in one persistent launch
+        """"stack" / "stack8": every layer for the one token x at position start in one persistent launch
         (backends/cuda_layers.py), returning the residual after the last layer; None where it
         cannot run (not asked for, or the model does not fit it: `stack_why_not`)."""
-        if "stack" not in self.fuse or x.shape[0] != 1:
+        if not {"stack", "stack8"} & self.fuse or x.shape[0] != 1:
             return None
-        from ntx_engine.backends.cuda_layers import StackDecode, stack_unfit
+        from ntx_engine.backends.cuda_layers import LAYER_FIELDS, StackDecode, stack_unfit
 
         if self._stack is None or self._stack[0] is not layers:
             c, dev = self._model(), self.device
             why = stack_unfit(c, layers, self.n_ctx, dev.cc, dev.sm_count, dev.max_smem_optin)
+            if why is None and "stack" not in self.fuse:  # "stack8": Q8_0 models only
+                odd = next((w for lw in layers for w in (getattr(lw, n) for n in LAYER_FIELDS[:7])
+                            if w.ggml_type != GGMLType.Q8_0), None)
+                if odd is not None:
+                    why = (f"{odd.name} is {odd.ggml_type.name}: the default stack step (stack8) takes Q8_0 models "
+                           f"(NTX_CUDA_FUSE=all,stack also runs Q4_K/Q6_K mixes, slower at 8B)")
             self._stack = (layers, None if why else StackDecode(self, layers), why)
         if self._stack[1] is None:
             return None
