@@ -149,6 +149,23 @@ class Engine:
         return out
 
     @property
+    def stack_decode(self) -> dict | None:
+        """The CUDA backend's decode (None on the others): whether a one-token step ran every layer in one
+        launch (the stack step, backends/cuda_layers.py), and where not, why."""
+        b = self.model.backend
+        if not hasattr(b, "stack_why_not"):
+            return None
+        if not self.model._stackable():
+            why = "the layers are streamed, split with the CPU, mixture-of-experts or hooked: one launch a layer"
+        elif not {"stack", "stack8"} & b.fuse:
+            why = "NTX_CUDA_FUSE leaves the stack step out (it is in the default, all,stack8)"
+        elif b.stack is None and b.stack_why_not is None:
+            why = "no one-token decode step has run yet"
+        else:
+            return {"one_launch": b.stack is not None, "why_not": b.stack_why_not}
+        return {"one_launch": False, "why_not": why}
+
+    @property
     def last_run_stats(self) -> dict:
         """For reports: per-layer plan rows, the last pass's timeline, bytes, links, bound."""
         plan = self.model.plan

@@ -184,7 +184,8 @@ def run_once(opts: RunOptions, prompt: str) -> dict[str, Any] | None:
             "tokens": stats.tokens, "text": engine.detokenize(
                 [t for t in stats.tokens if not engine.tokenizer.is_eog(t)]),
             "prefill_tok_s": stats.prefill_tok_s, "decode_tok_s": stats.decode_tok_s,
-            "stop_reason": stats.stop_reason, "tiers": engine.tier_stats(), **speed(),
+            "stop_reason": stats.stop_reason, "tiers": engine.tier_stats(), "stack_decode": engine.stack_decode,
+            **speed(),
         }
     finally:
         engine.close()

@@ -46,3 +46,5 @@ def test_ntx_run_json_reports_cuda(tiny_model):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert out["device"] == "cuda" and len(out["tokens"]) == 8 and out["decode_tok_s"] > 0
+    # the default stack step runs Q8_0 models; this Q4_K_M one decodes layer by layer, and says why
+    assert out["stack_decode"]["one_launch"] is False and out["stack_decode"]["why_not"], out["stack_decode"]

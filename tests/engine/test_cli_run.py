@@ -40,6 +40,7 @@ def test_json_output_matches_llama_cpp_greedy(oracle_manifest):
     assert out["text"] == eng.detokenize(out["tokens"])
     assert out["stop_reason"] == "length" and len(out["tokens"]) == n
     assert out["decode_tok_s"] > 0 and out["prefill_tok_s"] > 0
+    assert out["stack_decode"] is None  # CUDA's one-launch decode: not on the CPU backends
 
 
 def _run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
