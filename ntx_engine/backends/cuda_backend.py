@@ -555,8 +555,8 @@ class CudaBackend:
     def argmax(self, x: DeviceArray, feed: bool = False, hist=None) -> DeviceArray:
         """Index of the largest of x (flattened) as a device int32: greedy sampling on the GPU.
         feed (a one-token decode step): the index also becomes the token id the next step embeds
-        (ids_buf) and the position in pos_buf advances by one, on the device; hist (mapped HostSlots of
-        n_ctx words, with feed): the index is also written to the host at hist[the step's position]."""
+        (ids_buf) and the position in pos_buf advances by one, on the device; hist (HostSlots of n_ctx
+        words, with feed): the index is also written to the host at hist[the step's position]."""
         self.flush()
         out = self._new(1, dtype=np.int32)
         self.k.argmax(x, out, self.stream, (self.ids_buf, self.pos_buf) if feed else None, hist)

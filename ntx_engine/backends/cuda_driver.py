@@ -204,15 +204,15 @@ class LaunchConfig:
 def pack_args(args: tuple) -> tuple[list, ctypes.Array]:
     """ctypes values for kernel arguments and the void* array pointing at them. DeviceArray and
     None become pointers, Python int a 32-bit int, float a 32-bit float: kernels take exactly
-    these types, which keeps the packing free of per-kernel signatures. Mapped HostSlots become their
-    device address."""
+    these types, which keeps the packing free of per-kernel signatures. HostSlots become their device
+    address."""
     values: list = []
     for a in args:
         if isinstance(a, DeviceArray):
             values.append(ctypes.c_uint64(a.ptr))
         elif a is None:
             values.append(ctypes.c_uint64(0))
-        elif isinstance(a, HostSlots) and a.dptr:
+        elif isinstance(a, HostSlots):
             values.append(ctypes.c_uint64(a.dptr))
         elif isinstance(a, (bool, int, np.integer)):
             values.append(ctypes.c_int32(int(a)))
@@ -290,16 +290,15 @@ def upload(pool: MemoryPool, host: np.ndarray, stream: Stream, out: DeviceArray 
 
 
 class HostSlots:
-    """Page-locked int32 words (cuMemHostAlloc) that the host reads (values) after an event of the stream
-    says the device has written them. mapped: the device has an address for them (dptr; a kernel argument
-    passes it), so a kernel writes them itself, with no copy in the stream."""
+    """Page-locked int32 words (cuMemHostAlloc) that the device maps: a kernel given them as an argument (their
+    device address, dptr) writes them itself, with no copy in the stream, and the host reads them (values) after
+    an event of the stream says that kernel has run."""
 
-    def __init__(self, n: int, mapped: bool = False) -> None:
+    def __init__(self, n: int) -> None:
         drv = driver()
         self.ptr = 0  # (set before the call: a failed allocation leaves nothing to free)
-        flags = drv.CU_MEMHOSTALLOC_DEVICEMAP if mapped else 0
-        self.ptr = int(check(drv.cuMemHostAlloc(4 * n, flags), f"cuMemHostAlloc({4 * n} bytes)"))
-        self.dptr = int(check(drv.cuMemHostGetDevicePointer(self.ptr, 0), "cuMemHostGetDevicePointer")) if mapped else 0
+        self.ptr = int(check(drv.cuMemHostAlloc(4 * n, drv.CU_MEMHOSTALLOC_DEVICEMAP), f"cuMemHostAlloc({4 * n} bytes)"))
+        self.dptr = int(check(drv.cuMemHostGetDevicePointer(self.ptr, 0), "cuMemHostGetDevicePointer"))
         self.values = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(self.ptr))
 
     def __del__(self) -> None:

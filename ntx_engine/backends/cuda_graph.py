@@ -32,7 +32,7 @@ class DecodeGraph:
         # the attention's cluster form at short contexts, its grid form at long ones)
         self._graphs: dict[tuple, tuple] = {}
         # every step's token by position, written by the graph's argmax (mapped host memory, n_ctx words)
-        self._hist = HostSlots(model.n_ctx, mapped=True)
+        self._hist = HostSlots(model.n_ctx)
         self._events: list[Event] = []  # greedy_stream's: two steps in flight
 
     def forward(self, ids: np.ndarray, start: int, all_logits: bool = False, layers=None) -> np.ndarray:

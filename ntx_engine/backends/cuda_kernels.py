@@ -401,7 +401,7 @@ class Kernels:
 
     def argmax(self, x, out, stream, feed: tuple | None = None, hist=None) -> None:
         """out = argmax(x); feed = (ids, pos) device int32 arrays: also ids[0] = out, pos[0] += 1, and
-        hist[pos[0]] = out where hist (mapped HostSlots, with feed) is given."""
+        hist[pos[0]] = out where hist (HostSlots, with feed) is given."""
         ids, pos = feed if feed is not None else (None, None)
         self._go("ops.cu", "argmax", (1,), (1024,), (x, x.size, out, ids, pos, hist if feed else None), stream)
 
