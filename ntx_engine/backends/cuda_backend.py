@@ -26,7 +26,7 @@ import os
 
 import numpy as np
 
-from ntx_common.errors import UnsupportedQuantError, UsageError
+from ntx_common.errors import CudaError, UnsupportedQuantError, UsageError
 from ntx_engine import quants
 from ntx_engine.backends.cuda_driver import DeviceArray, MemoryPool, Stream, Device, download, upload
 from ntx_engine.backends.cuda_kernels import (ATTN_CHUNK, BLOCK_ELEMENTS, KERNEL_TYPES, MATVEC_MAX_TOKENS, MMQ_TYPES,
@@ -260,7 +260,6 @@ class CudaBackend:
         """The cuBLAS handle, created on first use; None when it is missing and gemm is auto."""
         if self._cublas is None:
             from ntx_engine.backends.cublas import WORKSPACE_BYTES, Cublas
-            from ntx_common.errors import CudaError
 
             try:
                 ws = self._new(WORKSPACE_BYTES, dtype=np.uint8)
@@ -490,7 +489,9 @@ class CudaBackend:
     def decode_stack(self, layers: list, x: DeviceArray, start: int) -> DeviceArray | None:
         """"stack" / "stack8": every layer for the one token x at position start in one persistent launch
         (backends/cuda_layers.py), returning the residual after the last layer; None where it
-        cannot run (not asked for, or the model does not fit it: `stack_why_not`)."""
+        cannot run (not asked for, the model does not fit it, or the GPU cannot hold its grid now: the
+        first such launch fails cleanly, as a cooperative one, and the step goes on layer by layer;
+        `stack_why_not`)."""
         if not {"stack", "stack8"} & self.fuse or x.shape[0] != 1:
             return None
         from ntx_engine.backends.cuda_layers import LAYER_FIELDS, StackDecode, stack_unfit
@@ -510,7 +511,17 @@ class CudaBackend:
         self.flush()
         self._check_room(start, 1)
         self._stage_positions(np.arange(start, start + 1))
-        return self._stack[1].run(x)
+        try:
+            return self._stack[1].run(x)
+        except CudaError as e:  # a cooperative grid the GPU cannot hold (an MPS share of the SMs)
+            if self.capturing or "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE" not in str(e):
+                raise
+            self._stack = (layers, None, f"the GPU cannot hold the stack step's blocks all at once ({e}): "
+                                         f"the layer-by-layer kernels run")
+            from ntx_common.console import warn
+
+            warn(self._stack[2])
+            return None
 
     @property
     def stack(self):

@@ -41,7 +41,8 @@ GROUP_WARPS = THREADS // 32 // GROUPS  # LQ_GW
 TYPE_CODES = {GGMLType.Q8_0: 0, GGMLType.Q4_K: 1, GGMLType.Q6_K: 2}
 HEAD_DIMS = (64, 128)  # the kernels built (layer_q8_hd64, layer_q8_hd128)
 # Launched as a cooperative grid: the blocks wait on each other at counters, so all must be resident at once (one an
-# SM); where the GPU cannot hold them all (another context's work, MPS) the launch fails with an error instead.
+# SM). The driver then schedules the grid only whole (it waits for SMs another kernel holds), and where the GPU can
+# never hold it (an MPS share of the SMs) the launch fails (CudaBackend.decode_stack falls back layer by layer).
 COOPERATIVE = True
 LAYER_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm", "ffn_norm")  # + k, v caches
 
