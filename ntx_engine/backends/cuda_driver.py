@@ -239,16 +239,15 @@ class Module:
         return self._functions[kernel]
 
 
-def launch_pdl(func, cfg: LaunchConfig, args: tuple, stream: Stream, name: str) -> None:
-    """Launch with programmatic stream serialization (Hopper PDL): the grid may be scheduled
-    while the previous one finishes; the kernels' NTX_PDL() waits for it before any work."""
-    launch_ex(func, cfg, args, stream, name, pdl=True)
-
-
 def launch_ex(func, cfg: LaunchConfig, args: tuple, stream: Stream, name: str, *, pdl: bool = False,
               cooperative: bool = False) -> None:
-    """cuLaunchKernelEx with PDL (launch_pdl) and/or as a cooperative grid: every block resident at once, or the
-    launch fails (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) instead of a grid that waits on blocks never scheduled."""
+    """cuLaunchKernelEx with PDL (Hopper programmatic stream serialization: the grid may be scheduled while the
+    previous one finishes; the kernels' NTX_PDL() waits for it before any work) and/or as a cooperative grid: every
+    block resident at once, or the launch fails (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) instead of a grid that
+    waits on blocks never scheduled; neither: a plain cuLaunchKernel (launch)."""
+    if not (pdl or cooperative):
+        launch(func, cfg, args, stream, name)
+        return
     drv = driver()
     values, ptrs = pack_args(args)
     attrs = []

@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 
 from ntx_engine.backends import cuda_nvrtc
-from ntx_engine.backends.cuda_driver import (Device, DeviceArray, LaunchConfig, Module, Stream, check, driver, launch,
-                                             launch_ex, launch_pdl)
+from ntx_engine.backends.cuda_driver import (Device, DeviceArray, LaunchConfig, Module, Stream, check, driver,
+                                             launch_ex)
 from ntx_engine.quants import GGMLType
 
 # ggml type -> suffix of its matvec_/embed_ kernels (NTX_FOR_EACH_TYPE in ntx_quants.cuh)
@@ -235,20 +235,16 @@ class Kernels:
         if name in self.drop:
             return
         cfg = LaunchConfig(tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block)), smem)
+        pdl = self.pdl and self.profile is None  # (a profiled launch is timed alone)
+        fn = self.fn(source, name)
         if self.profile is None:
-            if cooperative:
-                launch_ex(self.fn(source, name), cfg, args, stream, name, pdl=self.pdl, cooperative=True)
-            else:
-                (launch_pdl if self.pdl else launch)(self.fn(source, name), cfg, args, stream, name)
+            launch_ex(fn, cfg, args, stream, name, pdl=pdl, cooperative=cooperative)
             return
         from ntx_engine.backends.cuda_driver import Event
 
         e0, e1 = Event(), Event()
         e0.record(stream)
-        if cooperative:
-            launch_ex(self.fn(source, name), cfg, args, stream, name, cooperative=True)
-        else:
-            launch(self.fn(source, name), cfg, args, stream, name)
+        launch_ex(fn, cfg, args, stream, name, pdl=pdl, cooperative=cooperative)
         e1.record(stream)
         self.profile.append((name, e0, e1))
 

@@ -40,10 +40,6 @@ GROUP_WARPS = THREADS // 32 // GROUPS  # LQ_GW
 # The weight types of the kernel's matrices (LQ_Q8_0, LQ_Q4_K, LQ_Q6_K: its `types` word, a nibble a matrix).
 TYPE_CODES = {GGMLType.Q8_0: 0, GGMLType.Q4_K: 1, GGMLType.Q6_K: 2}
 HEAD_DIMS = (64, 128)  # the kernels built (layer_q8_hd64, layer_q8_hd128)
-# Launched as a cooperative grid: the blocks wait on each other at counters, so all must be resident at once (one an
-# SM). The driver then schedules the grid only whole (it waits for SMs another kernel holds), and where the GPU can
-# never hold it (an MPS share of the SMs) the launch fails (CudaBackend.decode_stack falls back layer by layer).
-COOPERATIVE = True
 LAYER_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm", "ffn_norm")  # + k, v caches
 
 
@@ -193,6 +189,10 @@ class StackDecode:
                  self.hqd, self.ctr,
                  b.pos_buf, b.rope_ff, c.rope_dim, b.rope_scale, c.rope_freq_scale, int(c.rope_type == ROPE_NEOX),
                  c.n_embd, c.n_ff, c.n_head, c.n_head_kv, self.chunks, float(c.rms_eps), scale, self.types, self.trace),
-                b.stream, self.smem, cooperative=COOPERATIVE)
+                b.stream, self.smem,
+                # a cooperative grid: the blocks wait on each other at counters, so all must be resident at once (one
+                # an SM); the driver schedules it only whole (it waits for SMs another kernel holds), and where the
+                # GPU can never hold it (an MPS share of the SMs) the launch fails (decode_stack falls back)
+                cooperative=True)
         return self.xb
 

@@ -16,7 +16,7 @@ import numpy as np
 from ntx_common.errors import ModelError, UnsupportedQuantError
 from ntx_engine import quants
 from ntx_engine.backends import cuda_nvrtc
-from ntx_engine.backends.cuda_driver import DeviceArray, LaunchConfig, Module, launch, launch_pdl, upload
+from ntx_engine.backends.cuda_driver import DeviceArray, LaunchConfig, Module, launch_ex, upload
 from ntx_engine.backends.cuda_kernels import BLOCK_ELEMENTS, KERNEL_TYPES
 
 SOURCES = ("moe.cu",)
@@ -60,7 +60,7 @@ class CudaMoe:
     def _go(self, name: str, grid: tuple, block: tuple, args: tuple) -> None:
         self.b.flush()  # a residual add the backend holds back for fusion must land first
         cfg = LaunchConfig(tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block)))
-        (launch_pdl if self.b.k.pdl else launch)(self.module.function(name), cfg, args, self.b.stream, name)
+        launch_ex(self.module.function(name), cfg, args, self.b.stream, name, pdl=self.b.k.pdl)
 
     def experts(self, raw: np.ndarray, where: Any) -> CudaExperts:
         check_experts(where)
