@@ -98,10 +98,21 @@ static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ri
 #ifndef NTX_LQ_CLK
 #define NTX_LQ_CLK 0
 #endif
+// NTX_LQ_RELIST (a benchmark's probe, default 0): every launch lists the producer's chunks again (as before a.lists)
+#ifndef NTX_LQ_RELIST
+#define NTX_LQ_RELIST 0
+#endif
+// NTX_LQ_PTRACE (a benchmark's probe, default 0): layer 0's marks at the launch's start instead (0 entry, 1 set up,
+// 2 the producer's list made, 3 its first copies issued, 4 the consumers past griddepcontrol.wait, 5 layer 0's norm,
+// 6 its q/k/v rows); bench/ptrace.py reads them
+#ifndef NTX_LQ_PTRACE
+#define NTX_LQ_PTRACE 0
+#endif
+#define LQ_PMARK(k) do { if (NTX_LQ_PTRACE && a.trace != nullptr && (threadIdx.x & 31) == 0) a.trace[(size_t)(k) * gridDim.x + blockIdx.x] = global_ns(); } while (0)
 // Trace mark k of a layer (a.trace, cuda_layers.StackDecode.start_trace): the block's thread 0 writes the clock.
 #define LQ_TMARK(layer, k)                                                                              \
     do {                                                                                                \
-        if (!NTX_LQ_RTRACE && a.trace != nullptr && threadIdx.x == 0)                                   \
+        if (!NTX_LQ_RTRACE && a.trace != nullptr && threadIdx.x == 0 && (!NTX_LQ_PTRACE || (layer) > 0))  \
             a.trace[((size_t)(layer) * LQ_MARKS + (k)) * gridDim.x + blockIdx.x] = NTX_LQ_CLK ? clock64() : global_ns(); \
     } while (0)
 #define LQ_AMARK(k) do { if (NTX_LQ_ATRACE) LQ_TMARK(layer, k); } while (0)
@@ -153,13 +164,14 @@ struct LqArgs {
     float eps, scale;
     unsigned types;  // nibble m: matrix m's weight type (LqLayer's order; LQ_Q8_0, LQ_Q4_K, LQ_Q6_K), every layer alike
     unsigned long long* trace;
+    unsigned long long* lists;  // [blocks][LQ_CMAX + 1] the producers' chunk lists, made by the first launch (lq_step)
 };
 
 #define LQ_PARAMS                                                                                                 \
     const LqLayer *layers, int n_layers, const float *x0, float *xa, float *xb, float *qkv, float *att, float *hid, \
         float *part, int8_t *hq, float *hqd, unsigned *ctr, const int *pos, const float *rope_ff, int rope_dim, float rope_scale,           \
         float freq_scale, int neox, int D, int F, int n_head, int n_kv, int chunks, float eps, float scale,     \
-        unsigned types, unsigned long long *trace
+        unsigned types, unsigned long long *trace, unsigned long long *lists
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
@@ -1029,6 +1041,7 @@ __device__ void lq_step(const LqArgs& a) {
     constexpr int HD = 32 * V, NPG = LQ_THREADS / (HD / 2);
     const int G = a.n_head / a.n_kv;
     __shared__ LqShared s;  // shared: the helpers take it by reference
+    if (threadIdx.x == 0) LQ_PMARK(0);
     if (threadIdx.x == 0) {
         uint8_t* p = lq_dyn;
         s.ring = p; p += LQ_ACT_OFF;
@@ -1069,14 +1082,26 @@ __device__ void lq_step(const LqArgs& a) {
         for (int i = 0; i < LQ_SLOTS * LQ_WARPS; ++i) s.ccnt[i] = 0;
     }
     __syncthreads();
+    if (threadIdx.x == 0) LQ_PMARK(1);
     if (threadIdx.x >= LQ_THREADS) {  // the producer warp: the block's chunks in order, a slot as soon as it is read
+        // One layer's chunks (the same in every layer), issued layer after layer. Listing them takes ~20 us (the
+        // q|k|v byte shares' 64-bit divisions, ~80 chunks by one lane), so the first launch keeps the block's list
+        // in a.lists ([0]: the count, then the chunks; zero until then) and later ones copy it (the whole warp).
+        uint2* gl = reinterpret_cast<uint2*>(a.lists) + (size_t)blockIdx.x * (LQ_CMAX + 1);
+        int nc = NTX_LQ_RELIST ? 0 : (int)__ldcg(&gl->x);
+        for (int i = (int)(threadIdx.x & 31); i < nc; i += 32) reinterpret_cast<uint2*>(s.chunks)[i] = __ldcg(gl + 1 + i);
+        __syncwarp();
         if (threadIdx.x == LQ_THREADS) {
-            // one layer's chunks listed once (the same in every layer), then issued layer after layer
-            LqFill f;
-            f.start(a);
-            int nc = 0;
-            while (f.layer == 0 && nc < LQ_CMAX) s.chunks[nc++] = f.next(a);
-            if (f.layer == 0) __trap();  // more chunks than the list holds (cuda_layers.stack_unfit checks)
+            if (nc == 0) {
+                LqFill f;
+                f.start(a);
+                while (f.layer == 0 && nc < LQ_CMAX) s.chunks[nc++] = f.next(a);
+                if (f.layer == 0) __trap();  // more chunks than the list holds (cuda_layers.stack_unfit checks)
+                for (int i = 0; i < nc; ++i) gl[1 + i] = reinterpret_cast<const uint2*>(s.chunks)[i];
+                __threadfence();  // the chunks before the count (a later launch only reads both after this one)
+                gl->x = (unsigned)nc;
+            }
+            LQ_PMARK(2);
             const unsigned long long pol = lq_policy();
             const int kvd = lq_kvd(a);
             const unsigned tab = lq_smem(s.chunks), rel = lq_smem(s.flag + 1);
@@ -1121,6 +1146,7 @@ __device__ void lq_step(const LqArgs& a) {
                         asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(row), "=r"(w1) : "r"(tab + 8u * (unsigned)c) : "memory");
                         if (lq_chunk_ph(w1) != ph) break;
                         put(layer, ph, row, w1, false);
+                        if (NTX_LQ_PTRACE && layer == 0 && ph == 0 && c == 0) LQ_PMARK(3);
                     }
                     while (npool > 0) {  // the pool's chunks, while there are any
                         unsigned k;
@@ -1138,6 +1164,7 @@ __device__ void lq_step(const LqArgs& a) {
     // the consumers: the weights of the first chunks are on their way before the wait for the
     // kernel before (the embedding)
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (threadIdx.x == 0) LQ_PMARK(4);
     unsigned it = 0;
     const unsigned P = gridDim.x;
     // a.trace (a benchmark's tool, null otherwise): every block's thread 0
@@ -1156,9 +1183,11 @@ __device__ void lq_step(const LqArgs& a) {
         lq_release(s, 4 * layer + 0);
         LQ_MARK(1);
         lq_norm_row(xin, L.attn_norm, a.D, a.eps, s);
+        if (layer == 0 && threadIdx.x == 0) LQ_PMARK(5);
         LQ_MARK(2);
         lq_phase(a, 0, s, it, nullptr, [&](int r, float t, float, float) { a.qkv[r] = t; });
         LQ_MARK(3);
+        if (layer == 0 && threadIdx.x == 0) LQ_PMARK(6);
         lq_signal(ctr + 0);
         if ((int)blockIdx.x < a.n_kv * a.chunks) {  // each waits for every q/k/v row inside
             if (G <= 2)
@@ -1204,7 +1233,7 @@ __device__ void lq_step(const LqArgs& a) {
         __shared__ LqArgs sa; /* in shared memory: the helpers take it by reference (no local copy) */          \
         if (threadIdx.x == 0)                                                                                      \
             sa = {layers, n_layers, x0, xa, xb, qkv, att, hid, part, hq, hqd, ctr, pos, rope_ff, rope_dim,                  \
-                  rope_scale, freq_scale, neox, D, F, n_head, n_kv, chunks, eps, scale, types, trace};                    \
+                  rope_scale, freq_scale, neox, D, F, n_head, n_kv, chunks, eps, scale, types, trace, lists};             \
         __syncthreads();                                                                                           \
         lq_step<V / 32>(sa);                                                                                       \
     }

@@ -162,6 +162,9 @@ class StackDecode:
 
             raise CudaError(f"{self.kernel} does not fit an SM ({self.smem} bytes of shared memory, {BLOCK} threads)")
         self.blocks = b.device.sm_count
+        # each block's ring chunk list ([0] its count, then CHUNK_MAX chunks of CHUNK_BYTES): the first launch lists
+        # them (~20 us of one lane's work), the later ones copy them; zero until then
+        self.lists = upload(b.pool, np.zeros(self.blocks * (CHUNK_MAX + 1), np.uint64), b.stream)
         # a benchmark's tool (start_trace): a (n_layers, TRACE_MARKS, blocks) uint64 device array that
         # each block's thread 0 fills with the GPU clock (ns) at the kernel's LQ_MARK points; None: off
         self.trace: DeviceArray | None = None
@@ -188,7 +191,8 @@ class StackDecode:
                 (self.table, self.n_layers, x, self.xa, self.xb, self.qkv, self.att, self.hid, self.part, self.hq,
                  self.hqd, self.ctr,
                  b.pos_buf, b.rope_ff, c.rope_dim, b.rope_scale, c.rope_freq_scale, int(c.rope_type == ROPE_NEOX),
-                 c.n_embd, c.n_ff, c.n_head, c.n_head_kv, self.chunks, float(c.rms_eps), scale, self.types, self.trace),
+                 c.n_embd, c.n_ff, c.n_head, c.n_head_kv, self.chunks, float(c.rms_eps), scale, self.types, self.trace,
+                 self.lists),
                 b.stream, self.smem,
                 # a cooperative grid: the blocks wait on each other at counters, so all must be resident at once (one
                 # an SM); the driver schedules it only whole (it waits for SMs another kernel holds), and where the

@@ -5,7 +5,9 @@ compared at the same inputs:
 - each decode step's logits within 3 x the numpy model's noise floor + 1e-3 (test_engine_gpu's
   prefill bound; the layer-by-layer CUDA path is held to the same bound in the same test);
 - free-running greedy tokens identical to numpy's up to the first near-tie;
-- the CUDA graph of the step bit-identical to the plain stack step (the kernel sums in a fixed order);
+- the CUDA graph of the step bit-identical to the plain stack step (the kernel sums in a fixed order), and the
+  later steps (the producers' chunk lists copied from the first launch's) bit-identical to the first ones (listed
+  in the launch), each block's list within the host's bound (cuda_layers.layer_chunks);
 - the stack really ran (`stack_why_not` is None), and a model it cannot run falls back with a reason.
 Contexts from 1 to ~200 positions: the attention's 32 chunks a KV head are mostly empty, then full; and
 Llama-3-8B's heads (8 KV heads: 16 chunks on 132 SMs) at ~600 positions, where a chunk has more (position,
@@ -83,6 +85,14 @@ def test_stack_decode_matches_numpy(cuda_backend, synth, tmp_path, shape, mix, l
     plain_stack = _forced(stack, stack.forward, prompt, ref_toks[:-1])
     assert all(np.array_equal(a, b) for a, b in zip(g, plain_stack)), "the graph replay differs from the plain step"
     assert all(np.array_equal(a, b) for a, b in zip(plain_stack, got)), "the stack step is not deterministic"
+    # the first launch listed every block's ring chunks for the later ones: a count (the first word) in the bound
+    from ntx_engine.backends.cuda_driver import download
+    from ntx_engine.backends.cuda_layers import CHUNK_MAX, LAYER_FIELDS, layer_chunks
+
+    st, b = stack.backend.stack, stack.backend
+    counts = download(st.lists, b.stream).reshape(st.blocks, CHUNK_MAX + 1)[:, 0] & 0xFFFFFFFF
+    types = tuple(getattr(stack.w.layers[0], n).ggml_type for n in LAYER_FIELDS[:7])
+    assert counts.min() >= 1 and counts.max() <= layer_chunks(ref.cfg, st.blocks, types), counts
 
 
 def test_stack_falls_back_with_a_reason(cuda_backend, synth, tmp_path):
