@@ -155,7 +155,7 @@ class Engine:
         b = self.model.backend
         if not hasattr(b, "stack_why_not"):
             return None
-        if not self.model._stackable():
+        if not self.model.stackable():
             why = "the layers are streamed, split with the CPU, mixture-of-experts or hooked: one launch a layer"
         elif not {"stack", "stack8"} & b.fuse:
             why = "NTX_CUDA_FUSE leaves the stack step out (it is in the default, all,stack8)"

@@ -160,7 +160,7 @@ class Transformer:
             raise ModelError(f"context length exceeded: {start + len(ids)} tokens > n_ctx {self.n_ctx}")
         pos = np.arange(start, start + len(ids))
         x = self.embed(np.asarray(ids))
-        if layers is None and len(ids) == 1 and self._stackable():
+        if layers is None and len(ids) == 1 and self.stackable():
             y = self.backend.decode_stack(self.w.layers, x, start)
             if y is not None:  # every layer in one launch (CudaBackend's "stack")
                 return self.head(y, all_logits)
@@ -175,7 +175,7 @@ class Transformer:
                 self.source.release(i)
         return self.head(self.settle(x), all_logits)
 
-    def _stackable(self) -> bool:
+    def stackable(self) -> bool:
         """Whether a backend's one-launch decode of all layers (decode_stack) may stand for the
         loop: resident layers and none of the per-layer hooks replaced (hybrid, MoE, skip)."""
         cls = type(self)

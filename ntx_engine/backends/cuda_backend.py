@@ -494,17 +494,15 @@ class CudaBackend:
         `stack_why_not`)."""
         if not {"stack", "stack8"} & self.fuse or x.shape[0] != 1:
             return None
-        from ntx_engine.backends.cuda_layers import LAYER_FIELDS, StackDecode, stack_unfit
+        from ntx_engine.backends.cuda_layers import TYPE_CODES, StackDecode, stack_unfit
 
         if self._stack is None or self._stack[0] is not layers:
             c, dev = self._model(), self.device
-            why = stack_unfit(c, layers, self.n_ctx, dev.cc, dev.sm_count, dev.max_smem_optin)
-            if why is None and "stack" not in self.fuse:  # "stack8": Q8_0 models only
-                odd = next((w for lw in layers for w in (getattr(lw, n) for n in LAYER_FIELDS[:7])
-                            if w.ggml_type != GGMLType.Q8_0), None)
-                if odd is not None:
-                    why = (f"{odd.name} is {odd.ggml_type.name}: the default stack step (stack8) takes Q8_0 models "
-                           f"(NTX_CUDA_FUSE=all,stack also runs Q4_K/Q6_K mixes, slower at 8B)")
+            only8 = "stack" not in self.fuse  # "stack8": Q8_0 models only
+            why = stack_unfit(c, layers, self.n_ctx, dev.cc, dev.sm_count, dev.max_smem_optin,
+                              allowed=(GGMLType.Q8_0,) if only8 else tuple(TYPE_CODES),
+                              hint=": the default stack step (stack8) takes Q8_0 models (NTX_CUDA_FUSE=all,stack also "
+                                   "runs Q4_K/Q6_K mixes, slower at 8B)" if only8 else "")
             self._stack = (layers, None if why else StackDecode(self, layers), why)
         if self._stack[1] is None:
             return None

@@ -86,8 +86,9 @@ def stack_chunks(cfg: ModelConfig, sm_count: int) -> int:
 
 
 def stack_unfit(cfg: ModelConfig, layers: list, n_ctx: int, cc: tuple[int, int], sm_count: int,
-                smem_optin: int) -> str | None:
-    """Why the stack decode cannot run this model (None: it can)."""
+                smem_optin: int, allowed: tuple = tuple(TYPE_CODES), hint: str = "") -> str | None:
+    """Why the stack decode cannot run this model (None: it can). allowed: the weight types it may take (the
+    kernel's, or fewer: the default "stack8" takes Q8_0 models only); hint: what a type outside them adds to the reason."""
     d, f, hd = cfg.n_embd, cfg.n_ff, cfg.head_dim
     group = cfg.n_head // max(cfg.n_head_kv, 1)
     if cc < (9, 0):
@@ -104,9 +105,10 @@ def stack_unfit(cfg: ModelConfig, layers: list, n_ctx: int, cc: tuple[int, int],
         for name in LAYER_FIELDS[:7]:
             w = getattr(lw, name, None)
             t = getattr(w, "ggml_type", None)
-            if t not in TYPE_CODES:
-                return (f"{getattr(w, 'name', name)} is {getattr(t, 'name', type(w).__name__)}, not one of the kernel's "
-                        f"types ({', '.join(x.name for x in TYPE_CODES)})")
+            if t not in allowed:
+                return (f"{getattr(w, 'name', name)} is {getattr(t, 'name', type(w).__name__)}, not one of the "
+                        f"{'kernel' if tuple(allowed) == tuple(TYPE_CODES) else 'step'}'s types "
+                        f"({', '.join(x.name for x in allowed)}){hint}")
             k = f if name == "w_down" else d
             if tensor_nbytes(t, k) % 16:
                 return (f"{getattr(w, 'name', name)}: a row of {k} {t.name} values is {tensor_nbytes(t, k)} bytes, not a "

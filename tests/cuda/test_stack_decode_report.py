@@ -11,7 +11,7 @@ from ntx_engine.engine import Engine
 
 def _report(stackable=True, fuse=("stack8",), stack=None, why=None, cuda=True):
     backend = SimpleNamespace(fuse=frozenset(fuse), stack=stack, stack_why_not=why) if cuda else SimpleNamespace()
-    model = SimpleNamespace(backend=backend, _stackable=lambda: stackable)
+    model = SimpleNamespace(backend=backend, stackable=lambda: stackable)
     return Engine.stack_decode.fget(SimpleNamespace(model=model))
 
 

@@ -35,6 +35,7 @@ def _layers(n=32, t=GGMLType.Q8_0, odd=None, mix=None, odd_name="w_down"):
 
 def test_llama3_8b_q8_0_and_q4_k_m_fit_the_h200():
     assert stack_unfit(_cfg(), _layers(), 4096, **H200) is None
+    assert stack_unfit(_cfg(), _layers(), 4096, **H200, allowed=(GGMLType.Q8_0,)) is None  # the default's stack8
     assert stack_unfit(_cfg(), _layers(t=GGMLType.Q4_K, mix=Q4_K_M), 4096, **H200) is None
     assert stack_unfit(_cfg(), _layers(t=GGMLType.Q6_K), 4096, **H200) is None
     assert stack_smem(128, 4) + 512 <= H200["smem_optin"]  # + the kernel's static shared memory (ptxas)
@@ -59,6 +60,10 @@ def test_llama3_8b_q8_0_and_q4_k_m_fit_the_h200():
     (dict(cfg=_cfg(n_ff=4096), sm_count=8), "359 ring chunks"),  # gate/up 512 / 4 + 1, down 512 / 8 + 1
     (dict(n_ctx=1 << 20), "n_ctx 1048576 is too long"),
     (dict(smem_optin=166912), "shared memory"),
+    # the default "stack8" (cuda_backend.decode_stack) allows Q8_0 alone and names the option that takes the rest
+    (dict(layers=_layers(t=GGMLType.Q4_K, mix=Q4_K_M), allowed=(GGMLType.Q8_0,), hint=": stack8 takes Q8_0"),
+     "blk.0.wq is Q4_K, not one of the step's types (Q8_0): stack8 takes Q8_0"),
+    (dict(layers=_layers(odd=GGMLType.Q6_K), allowed=(GGMLType.Q8_0,)), "blk.31.w_down is Q6_K, not one of the step's"),
 ])
 def test_every_limit_gives_its_reason(change, why):
     kw = dict(cfg=_cfg(), layers=_layers(), n_ctx=4096, **H200)
