@@ -6,10 +6,15 @@ each streaming phase, how long after the median block the last one ends it, the 
 on average and how alike the layers' lateness patterns are (1: the same blocks are late in every layer).
 
     python3 scripts/bench_stack_trace.py MODEL.gguf [PROMPT_TOKENS]
+    NTX_CUDA_DEFINES=-DNTX_LQ_PTRACE=1 python3 scripts/bench_stack_trace.py MODEL.gguf [PROMPT_TOKENS] --start
 
 (a model the stack step takes, e.g. make_synthetic_model.py --shape llama3-8b --mix q8_0 or q4_k_m; NTX_CUDA_DEFINES
 selects a build, e.g. -DNTX_LQ_PROBE=1 for the step without the rows' arithmetic, -DNTX_LQ_ATRACE=1
-for marks inside the attention, -DNTX_LQ_CLK=1 for SM cycles: the "us" columns are then thousands of cycles)."""
+for marks inside the attention, -DNTX_LQ_CLK=1 for SM cycles: the "us" columns are then thousands of cycles).
+--start (an NTX_LQ_PTRACE=1 build, whose layer 0 marks the launch's start instead): when each block entered, was set
+up, had its producer's chunk list and issued its first copies, passed griddepcontrol.wait and normed and multiplied
+layer 0's rows, when layers 1 and 2 started and the last one ended (us after the first block's entry), against the
+kernel's profiled time (each kernel of a plain step timed alone)."""
 import os
 import sys
 
@@ -22,14 +27,34 @@ NAMES = ["start", "wait prev down", "norm1", "qkv rows", "attention", "wait attn
 if "NTX_LQ_ATRACE=1" in os.environ.get("NTX_CUDA_DEFINES", ""):  # marks 4..13 at the attention's stages
     NAMES[4:] = ["att: wait q/k/v", "att: RoPE", "att: K/V copies", "att: scores", "att: exp", "att: p.V",
                  "att: partial+count", "att: combine stats", "att: combine+wait", "quant att"]
-if len(sys.argv) < 2:
+START = ["entry", "set up", "chunk list", "first copies", "griddep wait", "layer 0 norm", "layer 0 q/k/v"]
+args = [a for a in sys.argv[1:] if a != "--start"]
+start = "--start" in sys.argv[1:]
+if not args:
     sys.exit(__doc__)
-path, npr = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 512
+if start and "NTX_LQ_PTRACE=1" not in os.environ.get("NTX_CUDA_DEFINES", ""):
+    sys.exit("--start reads the marks of an NTX_LQ_PTRACE build: NTX_CUDA_DEFINES=-DNTX_LQ_PTRACE=1")
+path, npr = args[0], int(args[1]) if len(args) > 1 else 512
 cfg, m, st = stack_model(path, npr)
 st.start_trace()
 for i in range(3):
     m.forward(np.asarray([1]), npr + 3 + i)
 t = st.read_trace().astype(np.int64)
+if start:
+    from bench_cuda import kernel_times
+
+    t0 = t[0, 0, :].min()
+    print(f"{'mark':16s} {'first':>8s} {'median':>8s} {'last':>8s}  (us after the first block's entry)")
+    rows = [(n, t[0, k, :]) for k, n in enumerate(START)] + [("layer 1 start", t[1, 0, :]), ("layer 2 start", t[2, 0, :]),
+                                                              ("last layer end", t[-1, -1, :])]
+    for n, v in rows:
+        r = (v - t0) / 1e3
+        print(f"{n:16s} {r.min():8.2f} {np.median(r):8.2f} {r.max():8.2f}")
+    per = np.diff(t[:, 0, :].min(axis=1))[1:-1].mean() / 1e3
+    print(f"layer period {per:.2f} us (layers 1 .. {cfg.n_layers - 2})")
+    k, _ = kernel_times(m, m.backend, 1, npr + 6)
+    print("profiled: " + ", ".join(f"{n} {v['ms'] * 1e3:.1f} us" for n, v in k.items()))
+    sys.exit(0)
 L = slice(1, cfg.n_layers - 1)
 base = t[:, 0, :].min(axis=1)[:, None]
 print(f"layer period {np.diff(t[:, 0, :].min(axis=1))[L].mean() / 1e3:.2f} us; step {(t[-1, -1].max() - t[0, 0].min()) / 1e3:.1f} us")
