@@ -104,7 +104,7 @@ static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ri
 #endif
 // NTX_LQ_PTRACE (a benchmark's probe, default 0): layer 0's marks at the launch's start instead (0 entry, 1 set up,
 // 2 the producer's list made, 3 its first copies issued, 4 the consumers past griddepcontrol.wait, 5 layer 0's norm,
-// 6 its q/k/v rows); bench/ptrace.py reads them
+// 6 its q/k/v rows); scripts/bench_stack_trace.py --start reads them
 #ifndef NTX_LQ_PTRACE
 #define NTX_LQ_PTRACE 0
 #endif
