@@ -498,11 +498,11 @@ class CudaBackend:
 
         if self._stack is None or self._stack[0] is not layers:
             c, dev = self._model(), self.device
-            only8 = "stack" not in self.fuse  # "stack8": Q8_0 models only
-            why = stack_unfit(c, layers, self.n_ctx, dev.cc, dev.sm_count, dev.max_smem_optin,
-                              allowed=(GGMLType.Q8_0,) if only8 else tuple(TYPE_CODES),
-                              hint=": the default stack step (stack8) takes Q8_0 models (NTX_CUDA_FUSE=all,stack also "
-                                   "runs Q4_K/Q6_K mixes, slower at 8B)" if only8 else "")
+            allowed, hint = tuple(TYPE_CODES), ""
+            if "stack" not in self.fuse:  # "stack8": Q8_0 models only
+                allowed, hint = (GGMLType.Q8_0,), (": the default stack step (stack8) takes Q8_0 models "
+                                                    "(NTX_CUDA_FUSE=all,stack also runs Q4_K/Q6_K mixes, slower at 8B)")
+            why = stack_unfit(c, layers, self.n_ctx, dev.cc, dev.sm_count, dev.max_smem_optin, allowed, hint)
             self._stack = (layers, None if why else StackDecode(self, layers), why)
         if self._stack[1] is None:
             return None

@@ -235,16 +235,15 @@ class Kernels:
         if name in self.drop:
             return
         cfg = LaunchConfig(tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block)), smem)
-        pdl = self.pdl and self.profile is None  # (a profiled launch is timed alone)
         fn = self.fn(source, name)
         if self.profile is None:
-            launch_ex(fn, cfg, args, stream, name, pdl=pdl, cooperative=cooperative)
+            launch_ex(fn, cfg, args, stream, name, pdl=self.pdl, cooperative=cooperative)
             return
         from ntx_engine.backends.cuda_driver import Event
 
         e0, e1 = Event(), Event()
         e0.record(stream)
-        launch_ex(fn, cfg, args, stream, name, pdl=pdl, cooperative=cooperative)
+        launch_ex(fn, cfg, args, stream, name, cooperative=cooperative)  # a profiled launch is timed alone: no PDL
         e1.record(stream)
         self.profile.append((name, e0, e1))
 
