@@ -311,10 +311,10 @@ def run(path: Path, n_prompt: int, n_decode: int, n_ctx: int, matvec: str = "fas
         graph.greedy(int(prompt[-1]), n_prompt)
         e0, e1 = Event(), Event()
         e0.record(b.stream)
-        graph.run_fed(n_prompt + 1, n_decode - 1)
+        steps = graph.run_fed(n_prompt + 1, n_decode - 1)
         e1.record(b.stream)
         b.synchronize()
-        return e1.elapsed_ms(e0) / (n_decode - 1)
+        return e1.elapsed_ms(e0) / steps if steps else float("nan")
 
     decode_plain()
     plain_s = timed(decode_plain, b)

@@ -71,15 +71,16 @@ class DecodeGraph:
                 self._replay(tok, pos)
                 self._events[(i + 1) % 2].record(self.b.stream)
 
-    def run_fed(self, start: int, n: int) -> None:
-        """n steps from `start` queued back to back, each from the token and position the step before left on
-        the device (a benchmark's GPU-only time: nothing is read back; the tokens land in the step history). A
-        step has run before `start` (greedy, greedy_stream) and every one of them keeps its decode form."""
+    def run_fed(self, start: int, n: int) -> int:
+        """Up to n steps from `start` queued back to back, each from the token and position the step before left
+        on the device (a benchmark's GPU-only time: nothing is read back; the tokens land in the step history),
+        after a step at start - 1 (greedy, greedy_stream); it stops before a step that needs another decode form or
+        lies past the context. Returns the steps queued."""
         for i in range(n):
-            if not self._fed(start + i):
-                raise ValueError(f"the step at {start + i} does not continue the last one on the device "
-                                 f"(run greedy() at {start + i} first)")
+            if start + i + 1 > self.model.n_ctx or not self._fed(start + i):
+                return i
             self._launch(start + i)
+        return n
 
     def _form(self, start: int) -> tuple:
         """The backend's decode form at start (the key of the captured steps)."""
