@@ -19,8 +19,9 @@
 // shared memory (the same values in every block); (2) q/k/v rows; (3) attention, one block a
 // (KV head, context chunk): RoPE of the group's q and of the new k, the new K/V row into the cache,
 // scores, softmax over the chunk and p.V; the last chunk of a head to finish combines the chunks
-// (flash-decoding: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c); (4) every block quantizes
-// the attention output and multiplies its o rows, adding the residual; (5) the second norm;
+// (flash-decoding: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c) and quantizes them (Q8_1, whole
+// 32-value blocks: a head's); (4) every block copies the quantized attention output and multiplies its o
+// rows, adding the residual; (5) the second norm;
 // (6) gate/up rows, silu(g) * u; (7) each block quantizes a slice of that, every block copies the
 // whole quantized row and multiplies its down rows, adding the residual. Between the steps a block
 // waits on a counter in global memory that the producing blocks increment (release) after their
@@ -233,6 +234,24 @@ __device__ __forceinline__ void lq_wait_bar(uint64_t* bar, unsigned parity) {
 #endif
 #ifndef NTX_LQ_PRE3
 #define NTX_LQ_PRE3 2
+#endif
+// NTX_LQ_PRE0 / NTX_LQ_PRE2: as NTX_LQ_PRE3, the first chunks of q|k|v (the next layer's) and of gate/up issued
+// before the grid's wait before that phase. One q|k|v chunk: its phase starts on chip after the norm (Q8_0 79.15 ->
+// 78.85 us a layer, 366.5 / 364.4 -> 368.2 / 368.9 tok/s); gate/up's cost more than they gain (362.8 at 1, 360.0 at 2).
+#ifndef NTX_LQ_PRE0
+#define NTX_LQ_PRE0 1
+#endif
+#ifndef NTX_LQ_PRE2
+#define NTX_LQ_PRE2 0
+#endif
+// NTX_LQ_QATT (default 1): each head's combining block quantizes its G heads' outputs (whole 32-value blocks) into a
+// Q8_1 row after hq (a.hq + F, scales a.hqd + F / 32) and every block copies that row (lq_load_act), instead of each
+// quantizing the whole float row (0: a.att, lq_quant_row).
+#ifndef NTX_LQ_QATT
+#define NTX_LQ_QATT 1
+#endif
+#ifndef NTX_LQ_CPRE
+#define NTX_LQ_CPRE 1
 #endif
 
 // The grid's counters: release adds after a block's stores, acquire loads before its reads (NTX_LQ_PROBE 6:
@@ -545,17 +564,34 @@ __device__ __noinline__ void lq_quant_row(const float* x, int k, const LqShared&
 
 // A Q8_1 row another block quantized (xq in lq_aq_off's layout, xd its scales) copied into aq / ad, its
 // blocks' sums into as (16-byte piece i holds half of block 8 (i / 16) + i % 8: i and i ^ 8 are its halves).
+// NTX_LQ_LA (default 1): every thread's loads (at most two 16-byte pieces and a scale: k <= LQ_KMAX) issued before
+// any store, so the copy costs one L2 round trip, not three (0: the loop, the scales after the values).
+#ifndef NTX_LQ_LA
+#define NTX_LQ_LA 1
+#endif
+__device__ __forceinline__ void lq_act_piece(int i, bool on, int4 v, const LqShared& s) {
+    if (on) reinterpret_cast<int4*>(s.aq)[i] = v;
+    if (s.as == nullptr) return;  // (warp-uniform: every matrix Q8_0)
+    const int t = __dp4a(v.x, 0x01010101, __dp4a(v.y, 0x01010101, __dp4a(v.z, 0x01010101, __dp4a(v.w, 0x01010101, 0))));
+    const int other = __shfl_xor_sync(0xffffffffu, t, 8);
+    if (on && !(i & 8)) s.as[(i >> 4) * 8 + (i & 7)] = (t & 0xffff) | (other << 16);
+}
 __device__ __forceinline__ void lq_load_act(const int8_t* xq, const float* xd, int k, const LqShared& s) {
-    for (int i = threadIdx.x; i - (int)(threadIdx.x & 31) < k / 16; i += LQ_THREADS) {
-        const bool on = i < k / 16;
-        const int4 v = on ? __ldcg(reinterpret_cast<const int4*>(xq) + i) : make_int4(0, 0, 0, 0);
-        if (on) reinterpret_cast<int4*>(s.aq)[i] = v;
-        if (s.as == nullptr) continue;  // (warp-uniform: every matrix Q8_0)
-        const int t = __dp4a(v.x, 0x01010101, __dp4a(v.y, 0x01010101, __dp4a(v.z, 0x01010101, __dp4a(v.w, 0x01010101, 0))));
-        const int other = __shfl_xor_sync(0xffffffffu, t, 8);
-        if (on && !(i & 8)) s.as[(i >> 4) * 8 + (i & 7)] = (t & 0xffff) | (other << 16);
+    const int n = k / 16, lane = threadIdx.x & 31;
+    if (NTX_LQ_LA) {
+        const int i0 = threadIdx.x, i1 = threadIdx.x + LQ_THREADS;
+        const int4 z = make_int4(0, 0, 0, 0);
+        const int4 v0 = i0 < n ? __ldcg(reinterpret_cast<const int4*>(xq) + i0) : z;
+        const int4 v1 = i1 < n ? __ldcg(reinterpret_cast<const int4*>(xq) + i1) : z;
+        const float d = (int)threadIdx.x < k / 32 ? __ldcg(xd + threadIdx.x) : 0.f;
+        if (i0 - lane < n) lq_act_piece(i0, i0 < n, v0, s);
+        if (i1 - lane < n) lq_act_piece(i1, i1 < n, v1, s);
+        if ((int)threadIdx.x < k / 32) s.ad[threadIdx.x] = d;
+    } else {
+        for (int i = threadIdx.x; i - lane < n; i += LQ_THREADS)
+            lq_act_piece(i, i < n, i < n ? __ldcg(reinterpret_cast<const int4*>(xq) + i) : make_int4(0, 0, 0, 0), s);
+        for (int i = threadIdx.x; i < k / 32; i += LQ_THREADS) s.ad[i] = __ldcg(xd + i);
     }
-    for (int i = threadIdx.x; i < k / 32; i += LQ_THREADS) s.ad[i] = __ldcg(xd + i);
     LQ_SYNC();
 }
 
@@ -887,6 +923,8 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
     if (threadIdx.x < G) mx[threadIdx.x] = -2147483647 - 1;  // below every encoded score
     {
         const int nq = G * HD / 2;
+        // the new V row's values loaded with RoPE's (one round trip; HD <= LQ_THREADS)
+        const float vn = mine && (int)threadIdx.x < HD ? __ldcg(a.qkv + a.D + kvd + col + threadIdx.x) : 0.f;
         for (int i = threadIdx.x; i < nq + (mine ? HD / 2 : 0); i += LQ_THREADS) {
             const bool isk = i >= nq;
             const int j = isk ? i - nq : i, hh = j / (HD / 2), pi = j % (HD / 2);
@@ -903,9 +941,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
                 s.qa[hh * HD + ib] = ntx_round_f16(o1);
             }
         }
-        if (mine)
-            for (int i = threadIdx.x; i < HD; i += LQ_THREADS)
-                s.vnew[i] = L.vc[(size_t)pos * kvd + col + i] = ntx_f2h(__ldcg(a.qkv + a.D + kvd + col + i));
+        if (mine && (int)threadIdx.x < HD) s.vnew[threadIdx.x] = L.vc[(size_t)pos * kvd + col + threadIdx.x] = ntx_f2h(vn);
     }
     LQ_AMARK(5);
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -1011,6 +1047,18 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         return;
     }
     const float* hp = a.part + (size_t)h * C * per;
+    // NTX_LQ_CPRE (default 1): thread t's partial outputs (float4 t of every chunk) copied into shared memory (the
+    // K/V rows' space, free now) before the chunks' weights are formed: one L2 round trip fewer on the combine's
+    // path (G even: 16-byte aligned; where the C G HD floats fit)
+    const int nt = G * HD / 4;
+    const bool pre = NTX_LQ_CPRE && NTX_LQ_QATT && (G & 1) == 0 && C * nt * 16 <= LQ_KVS;
+    float4* pv = reinterpret_cast<float4*>(s.kv);  // [C][nt]
+    if (pre && (int)threadIdx.x < nt) {
+        for (int q = 0; q < C; ++q)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(lq_smem(pv + q * nt + threadIdx.x)),
+                         "l"(reinterpret_cast<const float4*>(hp + (size_t)q * per + 2 * G) + threadIdx.x) : "memory");
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
     float* wt = s.sc;  // the chunks' weights e^(m_c - M) / S (the scores are no longer read)
     for (int i = threadIdx.x; i < C * G; i += LQ_THREADS) {
         const int q = i / G, g = i % G;
@@ -1026,12 +1074,53 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
     }
     LQ_SYNC();
     LQ_AMARK(11);
-    for (int t = threadIdx.x; t < G * HD; t += LQ_THREADS) {
-        const int g = t / HD;
-        float o = 0.f;
+    if (NTX_LQ_QATT) {  // thread t: outputs 4t .. 4t + 3 of the head group (one head), quantized
+        for (int t = threadIdx.x; t - (int)(threadIdx.x & 31) < G * HD / 4; t += LQ_THREADS) {
+            const bool on = t < G * HD / 4;
+            const int g = on ? 4 * t / HD : 0;
+            float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (on && pre) {  // (t: threadIdx.x) this thread's copies of the partials
+                asm volatile("cp.async.wait_all;" ::: "memory");
 #pragma unroll 8
-        for (int q = 0; q < C; ++q) o += wt[2 * C * G + q * G + g] * __ldcg(hp + (size_t)q * per + 2 * G + t);
-        a.att[(size_t)h * G * HD + t] = o;
+                for (int q = 0; q < C; ++q) {
+                    const float w = wt[2 * C * G + q * G + g];
+                    const float4 v = pv[q * nt + t];
+                    o.x += w * v.x;
+                    o.y += w * v.y;
+                    o.z += w * v.z;
+                    o.w += w * v.w;
+                }
+            } else if (on && (G & 1) == 0) {  // float4 loads (a partial's outputs start at a multiple of 4 floats)
+#pragma unroll 16
+                for (int q = 0; q < C; ++q) {
+                    const float w = wt[2 * C * G + q * G + g];
+                    const float4 v = __ldcg(reinterpret_cast<const float4*>(hp + (size_t)q * per + 2 * G) + t);
+                    o.x += w * v.x;
+                    o.y += w * v.y;
+                    o.z += w * v.z;
+                    o.w += w * v.w;
+                }
+            } else if (on) {
+#pragma unroll 8
+                for (int q = 0; q < C; ++q) {
+                    const float w = wt[2 * C * G + q * G + g];
+                    const float* src = hp + (size_t)q * per + 2 * G + 4 * t;
+                    o.x += w * __ldcg(src);
+                    o.y += w * __ldcg(src + 1);
+                    o.z += w * __ldcg(src + 2);
+                    o.w += w * __ldcg(src + 3);
+                }
+            }
+            lq_quant4(o, on, h * G * HD / 4 + t, a.hq + a.F, a.hqd + a.F / 32, nullptr);
+        }
+    } else {
+        for (int t = threadIdx.x; t < G * HD; t += LQ_THREADS) {
+            const int g = t / HD;
+            float o = 0.f;
+#pragma unroll 8
+            for (int q = 0; q < C; ++q) o += wt[2 * C * G + q * G + g] * __ldcg(hp + (size_t)q * per + 2 * G + t);
+            a.att[(size_t)h * G * HD + t] = o;
+        }
     }
     lq_signal(a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv) + 1);
 }
@@ -1114,7 +1203,7 @@ __device__ void lq_step(const LqArgs& a) {
                 if (i >= NTX_LQ_SLOTS) lq_wait_bar(s.empty + slot, (i / NTX_LQ_SLOTS - 1) & 1);
                 if (NTX_LQ_RTRACE && layer >= LQ_RT_LAYER) LQ_RMARK((int)(i - NTX_LQ_SLOTS) - i0, 2, global_ns());
                 // held until the consumers release the phase (lq_release)
-                if (!end && ((NTX_LQ_HOLD >> ph) & 1) && nph++ >= (ph == 3 ? NTX_LQ_PRE3 : 0)) {
+                if (!end && ((NTX_LQ_HOLD >> ph) & 1) && nph++ >= (ph == 3 ? NTX_LQ_PRE3 : ph == 0 ? NTX_LQ_PRE0 : ph == 2 ? NTX_LQ_PRE2 : 0)) {
                     const int q = 4 * layer + ph;
                     if (lq_lds_vol(rel) < q) {
                         const unsigned long long t0 = global_ns();
@@ -1204,7 +1293,10 @@ __device__ void lq_step(const LqArgs& a) {
         lq_wait(ctr + 1, a.n_kv);
         LQ_MARK(5);
         LQ_AMARK(12);
-        lq_quant_row(a.att, a.D, s);
+        if (NTX_LQ_QATT)
+            lq_load_act(a.hq + a.F, a.hqd + a.F / 32, a.D, s);
+        else
+            lq_quant_row(a.att, a.D, s);
         LQ_MARK(6);
         LQ_AMARK(13);
         lq_phase(a, 1, s, it, xin, [&](int r, float t, float, float rv) { a.xa[r] = __fadd_rn(rv, t); });

@@ -151,7 +151,7 @@ class StackDecode:
         d, kvd = cfg.n_embd, cfg.kv_dim
         self.xa, self.xb = new(1, d), new(1, d)
         self.qkv, self.att, self.hid = new(d + 2 * kvd), new(d), new(cfg.n_ff)
-        self.hq, self.hqd = new(cfg.n_ff, dtype=np.int8), new(cfg.n_ff // 32)
+        self.hq, self.hqd = new(cfg.n_ff + cfg.n_embd, dtype=np.int8), new((cfg.n_ff + cfg.n_embd) // 32)  # + the attention's row
         self.part = new(cfg.n_head_kv * self.chunks * (2 * self.group + self.group * cfg.head_dim))
         self.ctr = new(self.n_layers * (NCTR + cfg.n_head_kv), dtype=np.uint32)
         k = b.k
