@@ -13,14 +13,13 @@ import sys
 
 import numpy as np
 from ntx_engine.backends.cuda_layers import SLOTS, TRACE_MARKS
-from stack_bench import stack_model
+from stack_bench import stack_args, stack_model
 
 MAX_CHUNKS, PHASES = 100, ("q/k/v", "o", "gate/up", "down")  # LQ_RT_MAX; the phases' order in a layer
-if len(sys.argv) < 2:
-    sys.exit(__doc__)
+args = stack_args(__doc__)
 if "NTX_LQ_RTRACE=1" not in os.environ.get("NTX_CUDA_DEFINES", ""):
     sys.exit("build the kernel with the ring trace: NTX_CUDA_DEFINES=-DNTX_LQ_RTRACE=1")
-path, npr = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 512
+path, npr = args.model, args.prompt
 cfg, m, st = stack_model(path, npr)
 if cfg.n_layers * TRACE_MARKS < 4 * MAX_CHUNKS:
     sys.exit(f"{cfg.n_layers} layers: the ring trace needs at least {-(-4 * MAX_CHUNKS // TRACE_MARKS)}")

@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 from ntx_engine.backends.cuda_layers import TRACE_MARKS
-from stack_bench import stack_model
+from stack_bench import stack_args, stack_model
 
 NAMES = ["start", "wait prev down", "norm1", "qkv rows", "attention", "wait attn", "quant att", "o rows",
          "wait o", "norm2", "gate/up rows", "wait gu", "quant h", "down rows"]
@@ -28,13 +28,11 @@ if "NTX_LQ_ATRACE=1" in os.environ.get("NTX_CUDA_DEFINES", ""):  # marks 4..13 a
     NAMES[4:] = ["att: wait q/k/v", "att: RoPE", "att: K/V copies", "att: scores", "att: exp", "att: p.V",
                  "att: partial+count", "att: combine stats", "att: combine+wait", "quant att"]
 START = ["entry", "set up", "chunk list", "first copies", "griddep wait", "layer 0 norm", "layer 0 q/k/v"]
-args = [a for a in sys.argv[1:] if a != "--start"]
-start = "--start" in sys.argv[1:]
-if not args:
-    sys.exit(__doc__)
+args = stack_args(__doc__, start=True)
+start = args.start
 if start and "NTX_LQ_PTRACE=1" not in os.environ.get("NTX_CUDA_DEFINES", ""):
     sys.exit("--start reads the marks of an NTX_LQ_PTRACE build: NTX_CUDA_DEFINES=-DNTX_LQ_PTRACE=1")
-path, npr = args[0], int(args[1]) if len(args) > 1 else 512
+path, npr = args.model, args.prompt
 cfg, m, st = stack_model(path, npr)
 st.start_trace()
 for i in range(3):

@@ -49,3 +49,24 @@ def test_the_stack_start_marks_need_their_build():
     r = subprocess.run([sys.executable, str(root / "scripts/bench_stack_trace.py"), "m.gguf", "--start"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode != 0 and "NTX_CUDA_DEFINES=-DNTX_LQ_PTRACE=1" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("script,defines", [("bench_stack_trace.py", ""), ("bench_stack_ring.py", "-DNTX_LQ_RTRACE=1")])
+def test_the_stack_tools_name_a_bad_model_or_prompt(tmp_path, script, defines):
+    """The stack tools' bad input is a one-line error naming it (a model that cannot be opened, a prompt length that
+    is not a number), never a traceback; --help prints the tool's description."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root), "NTX_CUDA_DEFINES": defines}
+    run = lambda *a: subprocess.run([sys.executable, str(root / "scripts" / script), *a], capture_output=True, text=True,
+                                    env=env, timeout=120, cwd=tmp_path)
+    r = run(str(tmp_path / "missing.gguf"))
+    assert r.returncode != 0 and "cannot open GGUF file" in r.stderr and str(tmp_path / "missing.gguf") in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    r = run("m.gguf", "many")
+    assert r.returncode == 2 and "invalid int value: 'many'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run("--help")
+    assert r.returncode == 0 and "stack" in r.stdout and "usage:" in r.stdout
