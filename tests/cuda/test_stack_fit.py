@@ -113,3 +113,18 @@ def test_the_gqa8_gpu_case_reaches_a_second_round_of_scores(synth, tmp_path):
     chunks = stack_chunks(cfg, H200["sm_count"])
     per_chunk = -(-601 // chunks)
     assert chunks == 16 and per_chunk * (cfg.n_head // cfg.n_head_kv) > THREADS // 4
+
+
+def test_the_gqa3_gpu_case_is_an_odd_group_the_stack_step_takes(synth, tmp_path):
+    """test_stack_gpu's "gqa3" case (12 heads of 64, 4 KV: SmolLM2's group of 3) runs the stack step on the H200 with
+    an odd group of query heads a KV head: the combine's path for partials that are not whole 16-byte pieces
+    (NTX_LQ_CPRE's shared-memory copy does not apply), and a head group's outputs (192) not a multiple of a warp's."""
+    from ntx_engine.backends.numpy_backend import NumpyBackend
+    from ntx_engine.model import WeightLoader
+    from tests.cuda.conftest import synthetic_gguf
+
+    gf, cfg = synthetic_gguf(synth, tmp_path, "gqa3", "q8_0", 2, seed=5)
+    layers = WeightLoader(gf, cfg, NumpyBackend()).load().layers
+    assert (cfg.n_head, cfg.head_dim, cfg.n_head_kv) == (12, 64, 4)
+    assert (cfg.n_head // cfg.n_head_kv) % 2 == 1
+    assert stack_unfit(cfg, layers, 256, **H200) is None

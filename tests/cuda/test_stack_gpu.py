@@ -28,11 +28,12 @@ pytestmark = pytest.mark.gpu
 
 NEAR_TIE = 0.05
 STEPS = 12
-# (shape, mix, layers, prompt length, n_ctx): head_dim 64 (tiny) and 128 (small); the K-quant mixes on "small"
+# (shape, mix, layers, prompt length, n_ctx): head_dim 64 (tiny) and 128 (small); the K-quant mixes on "small"; an odd
+# group of query heads a KV head ("gqa3": 3, the attention combine's unaligned form)
 # (rows of 2048 values: Q6_K rows of 1680 bytes, whole 16-byte pieces for the ring's copies; tiny's are not)
 CASES = [("tiny", "q8_0", 4, 5, 64), ("tiny", "q8_0", 3, 180, 256), ("small", "q8_0", 2, 9, 64),
          ("small", "q8_0", 2, 120, 160), ("gqa8", "q8_0", 2, 600, 640), ("small", "q4_k_m", 2, 9, 64),
-         ("small", "q4_k_m", 2, 150, 192), ("small", "q4_k", 2, 40, 64)]
+         ("small", "q4_k_m", 2, 150, 192), ("small", "q4_k", 2, 40, 64), ("gqa3", "q8_0", 2, 200, 256)]
 
 
 def _models(synth, tmp_path, shape, mix, layers, n_ctx, fuse):
