@@ -36,7 +36,8 @@ from ntx_engine.config import ROPE_NEOX, ModelConfig
 from ntx_engine.quants import GGMLType
 
 FUSIONS = ("qkv", "ffn", "rope", "norm", "attn", "stack", "stack8")
-OPT_IN_FUSIONS = frozenset({"stack", "stack8"})  # named explicitly; "all" is the others (bit for bit)
+STACK_FUSIONS = frozenset({"stack", "stack8"})  # the one-launch stack step (decode_stack), either form
+OPT_IN_FUSIONS = STACK_FUSIONS  # named explicitly; "all" is the others (bit for bit)
 ATTN_VARIANTS = ("grid", "split", "single")
 # prefill GEMM (dequant.cu + cuBLAS): a matmul of at least GEMM_MIN_TOKENS rows decodes the weight
 # to fp16 in slabs of at most GEMM_SLAB_BYTES and runs one tensor-core GEMM per slab
@@ -492,7 +493,7 @@ class CudaBackend:
         cannot run (not asked for, the model does not fit it, or the GPU cannot hold its grid now: the
         first such launch fails cleanly, as a cooperative one, and the step goes on layer by layer;
         `stack_why_not`)."""
-        if not {"stack", "stack8"} & self.fuse or x.shape[0] != 1:
+        if not self.stack_asked or x.shape[0] != 1:
             return None
         from ntx_engine.backends.cuda_layers import TYPE_CODES, StackDecode, stack_unfit
 
@@ -520,6 +521,11 @@ class CudaBackend:
 
             warn(self._stack[2])
             return None
+
+    @property
+    def stack_asked(self) -> bool:
+        """Whether the fusions name a stack step ("stack" or "stack8", the default's)."""
+        return bool(STACK_FUSIONS & self.fuse)
 
     @property
     def stack(self):

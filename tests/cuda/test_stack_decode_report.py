@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from ntx_engine.backends.cuda_backend import CudaBackend
 from ntx_engine.engine import Engine
 
 
 def _report(stackable=True, fuse=("stack8",), stack=None, why=None, cuda=True):
     backend = SimpleNamespace(fuse=frozenset(fuse), stack=stack, stack_why_not=why) if cuda else SimpleNamespace()
+    if cuda:  # the backend's own reading of its fusions
+        backend.stack_asked = CudaBackend.stack_asked.fget(backend)
     model = SimpleNamespace(backend=backend, stackable=lambda: stackable)
     return Engine.stack_decode.fget(SimpleNamespace(model=model))
 
@@ -34,7 +37,6 @@ def test_a_grid_the_gpu_cannot_hold_falls_back_layer_by_layer():
     import pytest
 
     from ntx_common.errors import CudaError
-    from ntx_engine.backends.cuda_backend import CudaBackend
 
     layers = [object()]
 
@@ -46,7 +48,7 @@ def test_a_grid_the_gpu_cannot_hold_falls_back_layer_by_layer():
             raise CudaError(self.err)
 
     def backend(err, capturing=False):
-        return SimpleNamespace(fuse=frozenset({"stack8"}), _stack=(layers, Stack(err), None), capturing=capturing,
+        return SimpleNamespace(fuse=frozenset({"stack8"}), stack_asked=True, _stack=(layers, Stack(err), None), capturing=capturing,
                                flush=lambda: None, _check_room=lambda s, n: None, _stage_positions=lambda p: None)
 
     x = np.zeros((1, 8), np.float32)
