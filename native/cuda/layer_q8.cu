@@ -46,7 +46,11 @@
 #include "attn_common.cuh"
 #include "ops.cuh"
 
-#define LQ_THREADS 512     // the consumers: every step's arithmetic
+// the consumers: every step's arithmetic (NTX_LQ_THREADS: a multiple of 64, two groups of whole warps)
+#ifndef NTX_LQ_THREADS
+#define NTX_LQ_THREADS 512
+#endif
+#define LQ_THREADS NTX_LQ_THREADS
 #define LQ_WARPS (LQ_THREADS / 32)
 #define LQ_BLOCK (LQ_THREADS + 32)  // + the producer warp, which only issues the ring's bulk copies
 // A barrier of the consumer threads alone (the producer warp never waits for them).
@@ -85,7 +89,7 @@ static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ri
 #define LQ_MARKS 14        // trace points a layer
 #define LQ_KVS 32768       // bytes of shared memory for the attention chunk's first K and V rows
 // NTX_LQ_PROBE (a benchmark's probe, default 0): 1 leaves the rows' arithmetic out, 2 the activation
-// quantization's, 3 the weight copies (the producer marks a slot full without filling it), 4 the attention
+// quantization's, 3 the weight copies (the producer marks a slot full without filling it), 7 both 1 and 3, 4 the attention
 // chunk's scores, softmax and p.V, 5 the chunks' combine, 6 the counters' release and acquire (garbage out)
 #ifndef NTX_LQ_PROBE
 #define NTX_LQ_PROBE 0
@@ -465,7 +469,7 @@ __device__ __forceinline__ void lq_issue(unsigned row, unsigned w1, unsigned lyr
     row -= mat == 1 ? D : mat == 2 ? D + kvd : 0;  // the row in its matrix
     const int rb = lq_mt[mat].rb;  // (a chunk crossing into the next matrix: the same type)
     const unsigned bytes = (unsigned)((n0 + n1) * rb);
-    if (NTX_LQ_PROBE == 3) {
+    if (NTX_LQ_PROBE == 3 || NTX_LQ_PROBE == 7) {
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(bar)) : "memory");
         return;
     }
@@ -676,21 +680,6 @@ __device__ __forceinline__ int lq_dot8u(const uint32_t* q, int4 xa, int4 xb) {
     for (int i = 0; i < 8; ++i) asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(d) : "r"(q[i]), "r"(x[i]));
     return d;
 }
-// NTX_LQ_U4 (default 1): a Q4_K unit's high nibbles are multiplied in place (the bytes & 0xF0: 16 x the
-// nibble, unsigned; the sum times 1/16, exact) instead of shifted down first: one operation a word less.
-#ifndef NTX_LQ_U4
-#define NTX_LQ_U4 1
-#endif
-
-// Eight words from the 2-byte aligned offset o of lq_dyn: aligned word loads joined by a funnel shift (a
-// slot has 16 bytes of padding for the ninth word).
-__device__ __forceinline__ void lq_ld8(int o, uint32_t* w) {
-    const uint32_t* wa = reinterpret_cast<const uint32_t*>(lq_dyn + (o & ~3));
-    const unsigned sh = (o & 2) ? 16u : 0u;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) w[i] = __funnelshift_r(wa[i], wa[i + 1], sh);
-}
-
 // Each form takes NR (1 or 2) rows of a slot at once (byte offsets oa, ob: a gate row and its up row, or two
 // rows of one matrix), so a unit's activations are read once for both.
 template <int NR>
@@ -718,99 +707,110 @@ __device__ __forceinline__ float2 lq_dot_q8_0(int oa, int ob, int units, int pt,
     return make_float2(r[0], r[1]);
 }
 
-// The K-quant forms' loop: items of two units it = pt * 32 + lane, step 32 wpr (of units / 2), item(it, r) adding
-// the NR rows' sums into r.
-template <int NR, class Item>
-__device__ __forceinline__ float2 lq_items(int units, int pt, int wpr, Item item) {
-    float r[2] = {0.f, 0.f};
-    for (int it = pt * 32 + (int)(threadIdx.x & 31); it < units / 2; it += 32 * wpr) item(it, r);
-    return make_float2(r[0], r[1]);
-}
+// The K-quant forms loop over a lane's blocks: a lane's items it = pt 32 + lane + 32 wpr n (two units each) all have
+// the same it % 4 (32 wpr is a multiple of 4), so the same units of a block (Q4_K: 2m, 2m + 1; Q6_K: j, j + 2) and, for
+// Q6_K, the same block parity (210-byte blocks: the same 2-byte misalignment); every offset and shift that depends on
+// it % 4 is found once and a block's offsets are the last one's plus a stride (the per-item form found them again for
+// every item: Q6_K 186 -> 159 instructions an item, Q4_K row pairs 205 -> 153; gate/up without copies 14.7 -> 13.9 us).
 
-// Q4_K: unit j of a block is nibble j % 2 of its bytes 16 + 32 (j / 2) ..; its scale and minimum are
-// ntx_k_scale_min's (6-bit, from the block's 12 bytes at 4); the minimum's term takes the activations' sum. A
-// lane takes units 2m and 2m + 1 of a block (the low and high nibbles of the same 32 bytes): items of two units.
+// Q4_K: unit j of a block is nibble j % 2 of its bytes 16 + 32 (j / 2) ..; its scale and minimum are 6-bit (the block's
+// 12 bytes at 4); the minimum's term takes the activations' sum. A lane takes units 2m and 2m + 1 (the low and high
+// nibbles of the same 32 bytes) of blocks b = (pt 32 + lane) / 4 + 8 wpr n; both units' scale and minimum come as
+// 16-bit pairs: m < 2 their 6 bits are bytes 2m % 4 .. of the scale and min words; m >= 2 the low 4 bits are the
+// nibbles of the third word's bytes, the high 2 bits the first (second) word's top bits.
 template <int NR>
 __device__ __noinline__ float2 lq_dot_q4_k(int oa, int ob, int units, int pt, int wpr) {
-    return lq_items<NR>(units, pt, wpr, [&](int it, float* r) {
-        const int m = it & 3, u = 2 * it, bo = (it >> 2) * 144;  // units u, u + 1; blocks: 16-byte aligned
-        int4 x0a, x0b, x1a, x1b;
-        lq_ldx(u, x0a, x0b);
-        lq_ldx(u + 1, x1a, x1b);
-        const int p0 = LQ_AS[u], p1 = LQ_AS[u + 1];
-        const float d0 = LQ_AD[u], d1 = LQ_AD[u + 1], s0 = (float)(lq_sum_lo(p0) + lq_sum_hi(p0)),
-                    s1 = (float)(lq_sum_lo(p1) + lq_sum_hi(p1));
-        const unsigned b0 = 16u * (unsigned)(m & 1);  // byte j % 4 of the scale words: 2m % 4 and 2m % 4 + 1
+    const int i0 = pt * 32 + (int)(threadIdx.x & 31), m = i0 & 3, nb = units / 8, step = 8 * wpr;
+    float r[2] = {0.f, 0.f};
+    const bool hs = m >= 2;
+    const unsigned b0 = 16u * (unsigned)(m & 1), sy = hs ? b0 + 4u : b0, ma = hs ? 0x0F0Fu : 0x3F3Fu, mb = hs ? 0x3030u : 0u;
+    int b = i0 >> 2;
+    const uint8_t* xp = LQ_AQ + b * 256 + 32 * m;       // unit 8b + 2m's activations (lq_ldx), 8b + 2m + 1's at + 16
+    const float* dp = LQ_AD + 8 * b + 2 * m;
+    const int* sp = LQ_AS + 8 * b + 2 * m;
+    const uint8_t* wp = lq_dyn + oa + b * 144;
+    const int dw = ob - oa;
+    for (; b < nb; b += step, xp += 256 * step, dp += 8 * step, sp += 8 * step, wp += 144 * step) {
+        const int4 x0a = *reinterpret_cast<const int4*>(xp), x0b = *reinterpret_cast<const int4*>(xp + 128);
+        const int4 x1a = *reinterpret_cast<const int4*>(xp + 16), x1b = *reinterpret_cast<const int4*>(xp + 144);
+        const float d0 = dp[0], d1 = dp[1];
+        const int p0 = sp[0], p1 = sp[1], s0 = lq_sum_lo(p0) + lq_sum_hi(p0), s1 = lq_sum_lo(p1) + lq_sum_hi(p1);
 #pragma unroll
         for (int e = 0; e < NR; ++e) {
-            const int o = (e ? ob : oa) + bo;
-            const uint4 h = *reinterpret_cast<const uint4*>(lq_dyn + o);  // d | dmin, scale bytes 0..3, 4..7, 8..11
-            const uint4 qa = *reinterpret_cast<const uint4*>(lq_dyn + o + 16 + 32 * m);
-            const uint4 qb = *reinterpret_cast<const uint4*>(lq_dyn + o + 32 + 32 * m);
-            int sc[2], mn[2];
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {  // unit 2m + k: scale byte b = 2m % 4 + k
-                const unsigned sh = b0 + 8u * (unsigned)k, w0 = h.y >> sh, w1 = h.z >> sh, w2 = h.w >> sh;
-                sc[k] = m < 2 ? (int)(w0 & 63u) : (int)((w2 & 15u) | ((w0 >> 6 & 3u) << 4));
-                mn[k] = m < 2 ? (int)(w1 & 63u) : (int)((w2 >> 4 & 15u) | ((w1 >> 6 & 3u) << 4));
-            }
-            const uint32_t w[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+            const uint8_t* w = wp + (e ? dw : 0);
+            const uint4 h = *reinterpret_cast<const uint4*>(w);  // d | dmin, scale bytes 0..3, 4..7, 8..11
+            const uint4 qa = *reinterpret_cast<const uint4*>(w + 16 + 32 * m);
+            const uint4 qb = *reinterpret_cast<const uint4*>(w + 32 + 32 * m);
+            const unsigned sc = ((hs ? h.w : h.y) >> b0 & ma) | (h.y >> (b0 + 2u) & mb);
+            const unsigned mn = ((hs ? h.w : h.z) >> sy & ma) | (h.z >> (b0 + 2u) & mb);
+            const uint32_t q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
             uint32_t lo[8], hi[8];
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                lo[i] = w[i] & 0x0F0F0F0Fu;
-                hi[i] = NTX_LQ_U4 ? w[i] & 0xF0F0F0F0u : (w[i] >> 4) & 0x0F0F0F0Fu;
+                lo[i] = q[i] & 0x0F0F0F0Fu;
+                hi[i] = q[i] & 0xF0F0F0F0u;
             }
+            // the scale times the int dot and the minimum times the activations' sum in ints (exact: < 2^24), then
+            // one product by d (dmin); the high nibbles' dot is 16 x theirs: d / 16 (exact)
             const float dd = ntx_h2f((uint16_t)(h.x & 0xffffu)), dm = ntx_h2f((uint16_t)(h.x >> 16));
-            const float t0 = __fmul_rn(dd, (float)sc[0]) * (float)lq_dot8(lo, x0a, x0b) - __fmul_rn(dm, (float)mn[0]) * s0;
-            const float h1 = NTX_LQ_U4 ? (float)lq_dot8u(hi, x1a, x1b) * 0.0625f : (float)lq_dot8(hi, x1a, x1b);
-            const float t1 = __fmul_rn(dd, (float)sc[1]) * h1 - __fmul_rn(dm, (float)mn[1]) * s1;
+            const float t0 = dd * (float)((int)(sc & 0xffu) * lq_dot8(lo, x0a, x0b)) - dm * (float)((int)(mn & 0xffu) * s0);
+            const float t1 = (dd * 0.0625f) * (float)((int)(sc >> 8) * lq_dot8u(hi, x1a, x1b)) - dm * (float)((int)(mn >> 8) * s1);
             r[e] += d0 * t0 + d1 * t1;
         }
-    });
+    }
+    return make_float2(r[0], r[1]);
 }
 
-// Q6_K: unit j of a block (half j / 4, s = j % 4) takes nibble s / 2 of the half's low bytes 32 (s % 2) ..
-// and bit pair s of its 32 high bytes, minus 32 (taken off as 32 x the activations' sums); two int8 scales of
-// 16 values each, and the block's d. A lane takes units 4h + s and 4h + s + 2 (s < 2: the low and high nibbles
-// of the same 32 low bytes, and the same high bytes): items of two units.
+// Q6_K: unit j of a block (half j / 4, s = j % 4) takes nibble s / 2 of the half's low bytes 32 (s % 2) .. and bit pair
+// s of its 32 high bytes, minus 32 (taken off as 32 x the activations' sums); two int8 scales of 16 values each, and
+// the block's d. A lane takes units j = 4 hh + s and j + 2 (s < 2: the low and high nibbles of the same 32 low bytes,
+// and the same high bytes) of blocks b = (pt 32 + lane) / 4 + 8 wpr n. The blocks are 2-byte aligned; the lane's all
+// have the same b % 2, so the same shift joins the aligned words.
 template <int NR>
 __device__ __noinline__ float2 lq_dot_q6_k(int oa, int ob, int units, int pt, int wpr) {
-    return lq_items<NR>(units, pt, wpr, [&](int it, float* r) {
-        const int k = it & 3, hh = k >> 1, s = k & 1, j = 4 * hh + s, u = (it >> 2) * 8 + j;  // units u, u + 2
-        const int bo = (it >> 2) * 210;  // blocks: 2-byte aligned
-        int4 x0a, x0b, x1a, x1b;
-        lq_ldx(u, x0a, x0b);
-        lq_ldx(u + 2, x1a, x1b);
-        const float d0 = LQ_AD[u], d1 = LQ_AD[u + 2];
-        const int p0 = LQ_AS[u], p1 = LQ_AS[u + 2];  // the q - 32 of the weights: 32 x the halves' sums off
-        const unsigned hs = 2u * (unsigned)s;
+    const int i0 = pt * 32 + (int)(threadIdx.x & 31), k = i0 & 3, hh = k >> 1, s = k & 1, j = 4 * hh + s;
+    const int nb = units / 8, step = 8 * wpr;
+    float r[2] = {0.f, 0.f};
+    int b = i0 >> 2;
+    const unsigned hs = 2u * (unsigned)s, sh = (b & 1) ? 16u : 0u;  // oa, ob: 16-byte aligned (rows of whole pieces)
+    const uint8_t* xp = LQ_AQ + b * 256 + 16 * j;  // unit 8b + j's activations, 8b + j + 2's at + 32
+    const float* dp = LQ_AD + 8 * b + j;
+    const int* sp = LQ_AS + 8 * b + j;
+    int wo = oa + b * 210;  // the block's offset in lq_dyn (2-byte aligned)
+    const int dw = ob - oa;
+    for (; b < nb; b += step, xp += 256 * step, dp += 8 * step, sp += 8 * step, wo += 210 * step) {
+        const int4 x0a = *reinterpret_cast<const int4*>(xp), x0b = *reinterpret_cast<const int4*>(xp + 128);
+        const int4 x1a = *reinterpret_cast<const int4*>(xp + 32), x1b = *reinterpret_cast<const int4*>(xp + 160);
+        const float d0 = dp[0], d1 = dp[2];
+        const int p0 = sp[0], p1 = sp[2];  // the q - 32 of the weights: 32 x the halves' sums off
 #pragma unroll
         for (int e = 0; e < NR; ++e) {
-            const int o = (e ? ob : oa) + bo;
-            uint32_t lo[8], hi[8], q0[8], q1[8];
-            lq_ld8(o + hh * 64 + s * 32, lo);
-            lq_ld8(o + 128 + hh * 32, hi);
+            const int o = wo + (e ? dw : 0);
+            const uint8_t* w = lq_dyn + o;
+            const uint32_t* wl = reinterpret_cast<const uint32_t*>(lq_dyn + ((o + hh * 64 + s * 32) & ~3));
+            const uint32_t* wh = reinterpret_cast<const uint32_t*>(lq_dyn + ((o + 128 + hh * 32) & ~3));
+            uint32_t q0[8], q1[8];
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                q0[i] = (lo[i] & 0x0F0F0F0Fu) | ((hi[i] << (4u - hs)) & 0x30303030u);  // q, 0..63
-                q1[i] = ((lo[i] >> 4) & 0x0F0F0F0Fu) | ((hi[i] >> hs) & 0x30303030u);
+                const uint32_t lo = __funnelshift_r(wl[i], wl[i + 1], sh), hi = __funnelshift_r(wh[i], wh[i + 1], sh);
+                q0[i] = (lo & 0x0F0F0F0Fu) | ((hi << (4u - hs)) & 0x30303030u);  // q, 0..63
+                q1[i] = ((lo >> 4) & 0x0F0F0F0Fu) | ((hi >> hs) & 0x30303030u);
             }
-            // the four 16-value halves' sums
             const int a0 = lq_dot4(q0, x0a, 0), a1 = lq_dot4(q0 + 4, x0b, 0), c0 = lq_dot4(q1, x1a, 0), c1 = lq_dot4(q1 + 4, x1b, 0);
-            const unsigned sa = *reinterpret_cast<const uint16_t*>(lq_dyn + o + 192 + 2 * j);
-            const unsigned sb = *reinterpret_cast<const uint16_t*>(lq_dyn + o + 196 + 2 * j);  // unit j + 2's
-            const int i0 = (int)(int8_t)(sa & 0xffu) * (a0 - 32 * lq_sum_lo(p0)) + (int)(int8_t)(sa >> 8) * (a1 - 32 * lq_sum_hi(p0));
-            const int i1 = (int)(int8_t)(sb & 0xffu) * (c0 - 32 * lq_sum_lo(p1)) + (int)(int8_t)(sb >> 8) * (c1 - 32 * lq_sum_hi(p1));
-            const float d = ntx_h2f(*reinterpret_cast<const uint16_t*>(lq_dyn + o + 208));
-            r[e] += d0 * (d * (float)i0) + d1 * (d * (float)i1);
+            const unsigned sa = *reinterpret_cast<const uint16_t*>(w + 192 + 2 * j);
+            const unsigned sb = *reinterpret_cast<const uint16_t*>(w + 196 + 2 * j);  // unit j + 2's
+            const int i0s = (int)(int8_t)(sa & 0xffu) * (a0 - 32 * lq_sum_lo(p0)) + (int)(int8_t)(sa >> 8) * (a1 - 32 * lq_sum_hi(p0));
+            const int i1s = (int)(int8_t)(sb & 0xffu) * (c0 - 32 * lq_sum_lo(p1)) + (int)(int8_t)(sb >> 8) * (c1 - 32 * lq_sum_hi(p1));
+            const float d = ntx_h2f(*reinterpret_cast<const uint16_t*>(w + 208));
+            r[e] += d0 * (d * (float)i0s) + d1 * (d * (float)i1s);
         }
-    });
+    }
+    return make_float2(r[0], r[1]);
 }
 
 // Rows oa and ob (two) or oa alone.
 __device__ __forceinline__ float2 lq_row_dot(int oa, int ob, bool two, int units, int pt, int wpr, int type) {
-    if (NTX_LQ_PROBE == 1) return make_float2(0.f, 0.f);
+    if (NTX_LQ_PROBE == 1 || NTX_LQ_PROBE == 7) return make_float2(0.f, 0.f);
     if (type == LQ_Q4_K) return two ? lq_dot_q4_k<2>(oa, ob, units, pt, wpr) : lq_dot_q4_k<1>(oa, ob, units, pt, wpr);
     if (type == LQ_Q6_K) return two ? lq_dot_q6_k<2>(oa, ob, units, pt, wpr) : lq_dot_q6_k<1>(oa, ob, units, pt, wpr);
     return two ? lq_dot_q8_0<2>(oa, ob, units, pt, wpr) : lq_dot_q8_0<1>(oa, ob, units, pt, wpr);
@@ -850,7 +850,7 @@ __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& i
             const int o = slot * LQ_SLOT;
             float2 t = lq_row_dot(o + ra * m.rb, o + rb * m.rb, two, m.units, pt, wpr, m.type);
             t.x = warp_sum(t.x);
-            t.y = warp_sum(t.y);
+            if (two) t.y = warp_sum(t.y);  // (the same in the whole warp: a second row's sum only where there is one)
             if (lane == 0) {
                 if (wpr > 1) {  // the item's parts: the warp that writes the last adds them in a fixed order
                     float* cp = s.cpart + slot * LQ_WARPS;
