@@ -46,11 +46,7 @@
 #include "attn_common.cuh"
 #include "ops.cuh"
 
-// the consumers: every step's arithmetic (NTX_LQ_THREADS: a multiple of 64, two groups of whole warps)
-#ifndef NTX_LQ_THREADS
-#define NTX_LQ_THREADS 512
-#endif
-#define LQ_THREADS NTX_LQ_THREADS
+#define LQ_THREADS 512     // the consumers: every step's arithmetic
 #define LQ_WARPS (LQ_THREADS / 32)
 #define LQ_BLOCK (LQ_THREADS + 32)  // + the producer warp, which only issues the ring's bulk copies
 // A barrier of the consumer threads alone (the producer warp never waits for them).
@@ -504,6 +500,7 @@ struct LqShared {
     uint2* desc;   // [LQ_SLOTS] the LqChunk a slot holds (the producer writes it before the slot's copies)
     float* cpart;  // [LQ_SLOTS][LQ_WARPS] a chunk's row parts (row r's part p at r * wpr + p; gate/up: gate rows first)
     int* ccnt;     // [LQ_SLOTS][LQ_WARPS] the parts of a chunk's item written (the last writer adds them)
+    float* resv;  // [LQ_WARPS][2] a warp's residual values of its rows (lq_phase: copied in while the rows are multiplied)
     int* flag;  // [0] the attention's last-chunk flag, [1] the phases released to the producer, [2] [3] the ring
                 // trace's first chunk and layer, [4 + g] where consumer group g read its end of a phase
 };
@@ -845,8 +842,17 @@ __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& i
         for (int p = wi >> m.lw; p < np; p += LQ_GW >> m.lw) {
             const int ra = p, rb = per == 2 ? n + p : p + np;  // rows of the slot
             const bool two = m.pair && rb < per * n;
-            const float va = res != nullptr && lane == 0 ? __ldcg(res + row + ra) : 0.f;
-            const float vb = res != nullptr && lane == 0 && two && per == 1 ? __ldcg(res + row + rb) : 0.f;
+            // the rows' residual values (o, down) come into shared memory by cp.async, not into registers: a load
+            // pending in a register made the call of the rows' K-quant dot wait for it (an L2 round trip a chunk;
+            // Q4_K_M 436-438 -> 443-444 tok/s, the kernel 2.12-2.14 -> 2.08-2.10 ms)
+            float* rv = s.resv + 2 * warp;
+            if (res != nullptr && lane == 0) {
+                asm volatile("cp.async.wait_all;" ::: "memory");  // (an earlier item's copies, into the same words)
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(lq_smem(rv)), "l"(res + row + ra) : "memory");
+                if (two && per == 1)
+                    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(lq_smem(rv + 1)), "l"(res + row + rb) : "memory");
+                asm volatile("cp.async.commit_group;" ::: "memory");
+            }
             const int o = slot * LQ_SLOT;
             float2 t = lq_row_dot(o + ra * m.rb, o + rb * m.rb, two, m.units, pt, wpr, m.type);
             t.x = warp_sum(t.x);
@@ -869,6 +875,12 @@ __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& i
                 if (per == 2) {
                     out((int)row + p, t.x, t.y, 0.f);
                 } else {
+                    float va = 0.f, vb = 0.f;
+                    if (res != nullptr) {
+                        asm volatile("cp.async.wait_all;" ::: "memory");
+                        va = *reinterpret_cast<volatile float*>(rv);
+                        vb = *reinterpret_cast<volatile float*>(rv + 1);
+                    }
                     out((int)row + ra, t.x, 0.f, va);
                     if (two) out((int)row + rb, t.y, 0.f, vb);
                 }
@@ -1155,7 +1167,8 @@ __device__ void lq_step(const LqArgs& a) {
         s.layers = reinterpret_cast<LqLayer*>(p); p += sizeof(LqLayer) * LQ_MAX_LAYERS;
         s.chunks = reinterpret_cast<LqChunk*>(p); p += sizeof(LqChunk) * LQ_CMAX;
         s.full = reinterpret_cast<uint64_t*>(p); p += 8 * LQ_SLOTS;
-        s.empty = reinterpret_cast<uint64_t*>(p);
+        s.empty = reinterpret_cast<uint64_t*>(p); p += 8 * LQ_SLOTS;
+        s.resv = reinterpret_cast<float*>(p);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < a.n_layers * (int)(sizeof(LqLayer) / 8); i += LQ_BLOCK)

@@ -48,7 +48,8 @@ def stack_smem(head_dim: int, group: int) -> int:
     npg = THREADS // (head_dim // 2)
     return (SLOTS * SLOT + ACT_BYTES + 4 * GMAX * head_dim + 4 * npg * group * head_dim
             + 2 * 2 * head_dim + KVS + 4 * 2 * GMAX + 8 * 32 + 32 + 8 * SLOTS + 2 * 4 * SLOTS * (THREADS // 32)
-            + 4 * npg * group + LAYER_BYTES * MAX_LAYERS + CHUNK_BYTES * CHUNK_MAX + 2 * 8 * SLOTS)
+            + 4 * npg * group + LAYER_BYTES * MAX_LAYERS + CHUNK_BYTES * CHUNK_MAX + 2 * 8 * SLOTS
+            + 4 * 2 * (THREADS // 32))
 
 
 def chunk_rows(row_bytes: int, pair: bool) -> int:
