@@ -244,15 +244,6 @@ __device__ __forceinline__ void lq_wait_bar(uint64_t* bar, unsigned parity) {
 #ifndef NTX_LQ_PRE2
 #define NTX_LQ_PRE2 0
 #endif
-// NTX_LQ_QATT (default 1): each head's combining block quantizes its G heads' outputs (whole 32-value blocks) into a
-// Q8_1 row after hq (a.hq + F, scales a.hqd + F / 32) and every block copies that row (lq_load_act), instead of each
-// quantizing the whole float row (0: a.att, lq_quant_row).
-#ifndef NTX_LQ_QATT
-#define NTX_LQ_QATT 1
-#endif
-#ifndef NTX_LQ_CPRE
-#define NTX_LQ_CPRE 1
-#endif
 
 // The grid's counters: release adds after a block's stores, acquire loads before its reads (NTX_LQ_PROBE 6:
 // all relaxed, no fences: stale data possible, garbage out).
@@ -549,27 +540,10 @@ __device__ __forceinline__ float4 lq_f4(const float* x, int c, bool active) {
     return active ? __ldcg(reinterpret_cast<const float4*>(x) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-// x (k values, k % 128 == 0, other blocks' stores: read past L1) quantized into aq / ad by every
-// block: thread t the float4s t + LQ_THREADS j, all loaded before any is quantized.
-__device__ __noinline__ void lq_quant_row(const float* x, int k, const LqShared& s) {
-    float4 v[LQ_NV / 4];
-#pragma unroll
-    for (int j = 0; j < LQ_NV / 4; ++j) v[j] = lq_f4(x, threadIdx.x + LQ_THREADS * j, threadIdx.x + LQ_THREADS * j < k / 4);
-#pragma unroll
-    for (int j = 0; j < LQ_NV / 4; ++j) {
-        const int c = threadIdx.x + LQ_THREADS * j;
-        if (c - (int)(threadIdx.x & 31) < k / 4) lq_quant4(v[j], c < k / 4, c, s.aq, s.ad, s.as);
-    }
-    LQ_SYNC();
-}
-
 // A Q8_1 row another block quantized (xq in lq_aq_off's layout, xd its scales) copied into aq / ad, its
 // blocks' sums into as (16-byte piece i holds half of block 8 (i / 16) + i % 8: i and i ^ 8 are its halves).
-// NTX_LQ_LA (default 1): every thread's loads (at most two 16-byte pieces and a scale: k <= LQ_KMAX) issued before
-// any store, so the copy costs one L2 round trip, not three (0: the loop, the scales after the values).
-#ifndef NTX_LQ_LA
-#define NTX_LQ_LA 1
-#endif
+// Every thread's loads (at most two 16-byte pieces and a scale: k <= LQ_KMAX) are issued before any store, so the copy
+// costs one L2 round trip, not three (session 21: silu(g) * u's copy 3.74 -> 2.13 us).
 __device__ __forceinline__ void lq_act_piece(int i, bool on, int4 v, const LqShared& s) {
     if (on) reinterpret_cast<int4*>(s.aq)[i] = v;
     if (s.as == nullptr) return;  // (warp-uniform: every matrix Q8_0)
@@ -579,20 +553,14 @@ __device__ __forceinline__ void lq_act_piece(int i, bool on, int4 v, const LqSha
 }
 __device__ __forceinline__ void lq_load_act(const int8_t* xq, const float* xd, int k, const LqShared& s) {
     const int n = k / 16, lane = threadIdx.x & 31;
-    if (NTX_LQ_LA) {
-        const int i0 = threadIdx.x, i1 = threadIdx.x + LQ_THREADS;
-        const int4 z = make_int4(0, 0, 0, 0);
-        const int4 v0 = i0 < n ? __ldcg(reinterpret_cast<const int4*>(xq) + i0) : z;
-        const int4 v1 = i1 < n ? __ldcg(reinterpret_cast<const int4*>(xq) + i1) : z;
-        const float d = (int)threadIdx.x < k / 32 ? __ldcg(xd + threadIdx.x) : 0.f;
-        if (i0 - lane < n) lq_act_piece(i0, i0 < n, v0, s);
-        if (i1 - lane < n) lq_act_piece(i1, i1 < n, v1, s);
-        if ((int)threadIdx.x < k / 32) s.ad[threadIdx.x] = d;
-    } else {
-        for (int i = threadIdx.x; i - lane < n; i += LQ_THREADS)
-            lq_act_piece(i, i < n, i < n ? __ldcg(reinterpret_cast<const int4*>(xq) + i) : make_int4(0, 0, 0, 0), s);
-        for (int i = threadIdx.x; i < k / 32; i += LQ_THREADS) s.ad[i] = __ldcg(xd + i);
-    }
+    const int i0 = threadIdx.x, i1 = threadIdx.x + LQ_THREADS;
+    const int4 z = make_int4(0, 0, 0, 0);
+    const int4 v0 = i0 < n ? __ldcg(reinterpret_cast<const int4*>(xq) + i0) : z;
+    const int4 v1 = i1 < n ? __ldcg(reinterpret_cast<const int4*>(xq) + i1) : z;
+    const float d = (int)threadIdx.x < k / 32 ? __ldcg(xd + threadIdx.x) : 0.f;
+    if (i0 - lane < n) lq_act_piece(i0, i0 < n, v0, s);
+    if (i1 - lane < n) lq_act_piece(i1, i1 < n, v1, s);
+    if ((int)threadIdx.x < k / 32) s.ad[threadIdx.x] = d;
     LQ_SYNC();
 }
 
@@ -1059,11 +1027,11 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         return;
     }
     const float* hp = a.part + (size_t)h * C * per;
-    // NTX_LQ_CPRE (default 1): thread t's partial outputs (float4 t of every chunk) copied into shared memory (the
-    // K/V rows' space, free now) before the chunks' weights are formed: one L2 round trip fewer on the combine's
-    // path (G even: 16-byte aligned; where the C G HD floats fit)
+    // thread t's partial outputs (float4 t of every chunk) copied into shared memory (the K/V rows' space, free now)
+    // before the chunks' weights are formed: one L2 round trip fewer on the combine's path (G even: 16-byte aligned;
+    // where the C G HD floats fit)
     const int nt = G * HD / 4;
-    const bool pre = NTX_LQ_CPRE && NTX_LQ_QATT && (G & 1) == 0 && C * nt * 16 <= LQ_KVS;
+    const bool pre = (G & 1) == 0 && C * nt * 16 <= LQ_KVS;
     float4* pv = reinterpret_cast<float4*>(s.kv);  // [C][nt]
     if (pre && (int)threadIdx.x < nt) {
         for (int q = 0; q < C; ++q)
@@ -1086,53 +1054,45 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
     }
     LQ_SYNC();
     LQ_AMARK(11);
-    if (NTX_LQ_QATT) {  // thread t: outputs 4t .. 4t + 3 of the head group (one head), quantized
-        for (int t = threadIdx.x; t - (int)(threadIdx.x & 31) < G * HD / 4; t += LQ_THREADS) {
-            const bool on = t < G * HD / 4;
-            const int g = on ? 4 * t / HD : 0;
-            float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (on && pre) {  // (t: threadIdx.x) this thread's copies of the partials
-                asm volatile("cp.async.wait_all;" ::: "memory");
+    // thread t: outputs 4t .. 4t + 3 of the head group (one head), quantized into a Q8_1 row after hq (a.hq + F, scales
+    // a.hqd + F / 32) that every block copies (lq_load_act)
+    for (int t = threadIdx.x; t - (int)(threadIdx.x & 31) < G * HD / 4; t += LQ_THREADS) {
+        const bool on = t < G * HD / 4;
+        const int g = on ? 4 * t / HD : 0;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (on && pre) {  // (t: threadIdx.x) this thread's copies of the partials
+            asm volatile("cp.async.wait_all;" ::: "memory");
 #pragma unroll 8
-                for (int q = 0; q < C; ++q) {
-                    const float w = wt[2 * C * G + q * G + g];
-                    const float4 v = pv[q * nt + t];
-                    o.x += w * v.x;
-                    o.y += w * v.y;
-                    o.z += w * v.z;
-                    o.w += w * v.w;
-                }
-            } else if (on && (G & 1) == 0) {  // float4 loads (a partial's outputs start at a multiple of 4 floats)
-#pragma unroll 16
-                for (int q = 0; q < C; ++q) {
-                    const float w = wt[2 * C * G + q * G + g];
-                    const float4 v = __ldcg(reinterpret_cast<const float4*>(hp + (size_t)q * per + 2 * G) + t);
-                    o.x += w * v.x;
-                    o.y += w * v.y;
-                    o.z += w * v.z;
-                    o.w += w * v.w;
-                }
-            } else if (on) {
-#pragma unroll 8
-                for (int q = 0; q < C; ++q) {
-                    const float w = wt[2 * C * G + q * G + g];
-                    const float* src = hp + (size_t)q * per + 2 * G + 4 * t;
-                    o.x += w * __ldcg(src);
-                    o.y += w * __ldcg(src + 1);
-                    o.z += w * __ldcg(src + 2);
-                    o.w += w * __ldcg(src + 3);
-                }
+            for (int q = 0; q < C; ++q) {
+                const float w = wt[2 * C * G + q * G + g];
+                const float4 v = pv[q * nt + t];
+                o.x += w * v.x;
+                o.y += w * v.y;
+                o.z += w * v.z;
+                o.w += w * v.w;
             }
-            lq_quant4(o, on, h * G * HD / 4 + t, a.hq + a.F, a.hqd + a.F / 32, nullptr);
-        }
-    } else {
-        for (int t = threadIdx.x; t < G * HD; t += LQ_THREADS) {
-            const int g = t / HD;
-            float o = 0.f;
+        } else if (on && (G & 1) == 0) {  // float4 loads (a partial's outputs start at a multiple of 4 floats)
+#pragma unroll 16
+            for (int q = 0; q < C; ++q) {
+                const float w = wt[2 * C * G + q * G + g];
+                const float4 v = __ldcg(reinterpret_cast<const float4*>(hp + (size_t)q * per + 2 * G) + t);
+                o.x += w * v.x;
+                o.y += w * v.y;
+                o.z += w * v.z;
+                o.w += w * v.w;
+            }
+        } else if (on) {
 #pragma unroll 8
-            for (int q = 0; q < C; ++q) o += wt[2 * C * G + q * G + g] * __ldcg(hp + (size_t)q * per + 2 * G + t);
-            a.att[(size_t)h * G * HD + t] = o;
+            for (int q = 0; q < C; ++q) {
+                const float w = wt[2 * C * G + q * G + g];
+                const float* src = hp + (size_t)q * per + 2 * G + 4 * t;
+                o.x += w * __ldcg(src);
+                o.y += w * __ldcg(src + 1);
+                o.z += w * __ldcg(src + 2);
+                o.w += w * __ldcg(src + 3);
+            }
         }
+        lq_quant4(o, on, h * G * HD / 4 + t, a.hq + a.F, a.hqd + a.F / 32, nullptr);
     }
     lq_signal(a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv) + 1);
 }
@@ -1306,10 +1266,7 @@ __device__ void lq_step(const LqArgs& a) {
         lq_wait(ctr + 1, a.n_kv);
         LQ_MARK(5);
         LQ_AMARK(12);
-        if (NTX_LQ_QATT)
-            lq_load_act(a.hq + a.F, a.hqd + a.F / 32, a.D, s);
-        else
-            lq_quant_row(a.att, a.D, s);
+        lq_load_act(a.hq + a.F, a.hqd + a.F / 32, a.D, s);  // the heads' outputs, quantized by their combining blocks
         LQ_MARK(6);
         LQ_AMARK(13);
         lq_phase(a, 1, s, it, xin, [&](int r, float t, float, float rv) { a.xa[r] = __fadd_rn(rv, t); });
