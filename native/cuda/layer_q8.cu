@@ -113,7 +113,7 @@ static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ri
 // Trace mark k of a layer (a.trace, cuda_layers.StackDecode.start_trace): the block's thread 0 writes the clock.
 #define LQ_TMARK(layer, k)                                                                              \
     do {                                                                                                \
-        if (!NTX_LQ_RTRACE && a.trace != nullptr && threadIdx.x == 0 && (!NTX_LQ_PTRACE || (layer) > 0))  \
+        if (!NTX_LQ_RTRACE && !NTX_LQ_CTRACE && a.trace != nullptr && threadIdx.x == 0 && (!NTX_LQ_PTRACE || (layer) > 0)) \
             a.trace[((size_t)(layer) * LQ_MARKS + (k)) * gridDim.x + blockIdx.x] = NTX_LQ_CLK ? clock64() : global_ns(); \
     } while (0)
 #define LQ_AMARK(k) do { if (NTX_LQ_ATRACE) LQ_TMARK(layer, k); } while (0)
@@ -126,6 +126,16 @@ static_assert(NTX_LQ_SLOTS % LQ_GROUPS == 0 && NTX_LQ_SLOTS <= LQ_SLOTS, "the ri
 #endif
 #define LQ_RT_LAYER 5
 #define LQ_RT_MAX 100
+// NTX_LQ_CTRACE (a benchmark's probe, default 0): instead of the marks, where a consumer warp's time goes chunk by chunk
+// in phase NTX_LQ_CTRACE - 1 of layer LQ_RT_LAYER: for the first LQ_CT_CHUNKS chunks of each group and the group's warps
+// 0 .. LQ_CT_WARPS - 1, a.trace[(5 r + e) * blocks + block] (r = (chunk LQ_GROUPS + group) LQ_CT_WARPS + warp) holds
+// SM clock cycles: e = 0 waiting for the slot to be full, 1 the rows' dot products, 2 their warp sums, 3 the parts'
+// combine and the outputs, 4 the slot's release (scripts/bench_stack_chunk.py reads them)
+#ifndef NTX_LQ_CTRACE
+#define NTX_LQ_CTRACE 0
+#endif
+#define LQ_CT_CHUNKS 8
+#define LQ_CT_WARPS 4
 #define LQ_RMARK(k, e, v)                                                                                   \
     do {                                                                                                    \
         if (NTX_LQ_RTRACE && a.trace != nullptr && (unsigned)(k) < LQ_RT_MAX &&                             \
@@ -796,9 +806,14 @@ __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& i
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp / LQ_GW, wi = warp % LQ_GW;
     const int per = ph == 2 ? 2 : 1;
     unsigned i = it + (unsigned)((grp - (int)(it % LQ_GROUPS) + LQ_GROUPS) % LQ_GROUPS);  // the group's first chunk
+    // NTX_LQ_CTRACE: this warp's lane 0 times its chunks (ct[0..4]: wait, dot, sums, combine and outputs, release)
+    const bool ctr = NTX_LQ_CTRACE && ph == NTX_LQ_CTRACE - 1 && s.flag[3] && wi < LQ_CT_WARPS && lane == 0 && a.trace;
+    int kc = 0;
     for (;; i += LQ_GROUPS) {
         const int slot = i % NTX_LQ_SLOTS;
+        long long ct[5] = {0, 0, 0, 0, 0}, c0 = ctr ? clock64() : 0, cs = 0;
         lq_wait_bar(s.full + slot, (i / NTX_LQ_SLOTS) & 1);
+        if (ctr) ct[0] = clock64() - c0;
         if (NTX_LQ_RTRACE && wi == 0 && lane == 0 && s.flag[3]) LQ_RMARK((int)(i - s.flag[2]), 1, global_ns());
         unsigned row, w1;
         asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(row), "=r"(w1) : "r"(lq_smem(s.desc + slot)) : "memory");
@@ -822,9 +837,20 @@ __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& i
                 asm volatile("cp.async.commit_group;" ::: "memory");
             }
             const int o = slot * LQ_SLOT;
+            long long cd = 0;
+            if (ctr) {
+                cd = clock64();
+                if (cs) ct[3] += cd - cs;  // the last item's combine and outputs
+            }
             float2 t = lq_row_dot(o + ra * m.rb, o + rb * m.rb, two, m.units, pt, wpr, m.type);
+            if (ctr) ct[1] += (cs = clock64()) - cd;
             t.x = warp_sum(t.x);
             if (two) t.y = warp_sum(t.y);  // (the same in the whole warp: a second row's sum only where there is one)
+            if (ctr) {
+                cd = clock64();
+                ct[2] += cd - cs;
+                cs = cd;
+            }
             if (lane == 0) {
                 if (wpr > 1) {  // the item's parts: the warp that writes the last adds them in a fixed order
                     float* cp = s.cpart + slot * LQ_WARPS;
@@ -854,8 +880,19 @@ __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& i
                 }
             }
         }
+        long long ce = 0;
+        if (ctr) {
+            ce = clock64();
+            if (cs) ct[3] += ce - cs;
+        }
         __syncwarp();
         if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(s.empty + slot)) : "memory");
+        if (ctr && kc < LQ_CT_CHUNKS) {
+            ct[4] = clock64() - ce;
+            const int r = (kc * LQ_GROUPS + grp) * LQ_CT_WARPS + wi;
+            for (int e = 0; e < 5; ++e) a.trace[(size_t)(5 * r + e) * gridDim.x + blockIdx.x] = (unsigned long long)ct[e];
+        }
+        ++kc;
         if (n == 0) break;
     }
     if (wi == 0 && lane == 0) s.flag[4 + grp] = (int)i;
@@ -1236,7 +1273,7 @@ __device__ void lq_step(const LqArgs& a) {
         const LqLayer& L = s.layers[layer];
         unsigned* ctr = a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv);
         const float* xin = layer == 0 ? a.x0 : a.xb;
-        if (NTX_LQ_RTRACE && threadIdx.x == 0) {  // the consumers' first chunk of the traced layer
+        if ((NTX_LQ_RTRACE || NTX_LQ_CTRACE) && threadIdx.x == 0) {  // the consumers' first chunk of the traced layer
             s.flag[2] = (int)it;
             s.flag[3] = layer == LQ_RT_LAYER;
         }
