@@ -371,6 +371,29 @@ __device__ __forceinline__ int lq_r0(const LqArgs& a, int ph, int b) {
     }
     return (int)((unsigned)b * (unsigned)lq_owned(a, ph) / gridDim.x);
 }
+// NTX_LQ_HQKV (a probe, default 0): an attention block waits only for the q, k and v rows of its KV head, not for every
+// block's: the blocks holding any of them signal that head's counter (after every layer's counters: ctr + n_layers
+// (LQ_NCTR + n_kv) + layer n_kv + h; cuda_layers sizes the buffer for them), and the head's attention blocks wait for
+// as many signals as blocks hold its rows (counted once a launch). Needs the q|k|v rows owned (no pool in phase 0).
+#ifndef NTX_LQ_HQKV
+#define NTX_LQ_HQKV 0
+#endif
+#if NTX_LQ_HQKV && (NTX_LQ_POOLPH & 1)
+#error "NTX_LQ_HQKV needs the q|k|v rows owned by the blocks: no pool in phase 0 (NTX_LQ_POOLPH bit 0)"
+#endif
+// Whether block b's q|k|v rows hold any row of KV head h: of its G query heads, its k or its v.
+__device__ __forceinline__ bool lq_holds_head(const LqArgs& a, int b, int h) {
+    const int HD = a.D / a.n_head, G = a.n_head / a.n_kv, kvd = a.n_kv * HD;
+    const int r0 = lq_r0(a, 0, b), r1 = lq_r0(a, 0, b + 1);
+    auto hit = [&](int s, int e) { return r0 < e && s < r1; };
+    return hit(h * G * HD, (h + 1) * G * HD) || hit(a.D + h * HD, a.D + (h + 1) * HD) ||
+           hit(a.D + kvd + h * HD, a.D + kvd + (h + 1) * HD);
+}
+// KV head h's counter of layer `layer` (NTX_LQ_HQKV).
+__device__ __forceinline__ unsigned* lq_head_ctr(const LqArgs& a, int layer, int h) {
+    return a.ctr + (size_t)a.n_layers * (LQ_NCTR + a.n_kv) + (size_t)layer * a.n_kv + h;
+}
+
 // Where the matrix holding row `row` of phase ph ends (q, k and v are three matrices).
 __device__ __forceinline__ int lq_mat_end(const LqArgs& a, int ph, int row) {
     if (ph != 0) return lq_rows(a, ph);
@@ -906,7 +929,7 @@ __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& i
 // chunk to finish combines them.
 template <int V, int GM>
 __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int layer, int unit, const LqShared& s,
-                                          const unsigned* qkv_done) {
+                                          const unsigned* qkv_done, unsigned head_blocks) {
     constexpr int HD = 32 * V, NPG = LQ_THREADS / (HD / 2);
     static_assert((HD / 16 & (HD / 16 - 1)) == 0, "the scores' dim steps wrap by a mask");
     const int G = a.n_head / a.n_kv, kvd = a.n_kv * HD, C = a.chunks;
@@ -927,7 +950,10 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
                      "l"(L.vc + (size_t)p * kvd + col + off) : "memory");
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
-    lq_wait(qkv_done, gridDim.x);
+    if (NTX_LQ_HQKV)
+        lq_wait(lq_head_ctr(a, layer, h), head_blocks);  // the blocks holding this head's q, k and v rows
+    else
+        lq_wait(qkv_done, gridDim.x);
     lq_release(s, 4 * layer + 1);  // the o rows' chunks may stream from here (NTX_LQ_HOLD bit 1)
     LQ_AMARK(4);
     auto krow = [&](int p) { return p == pos ? s.knew : p - p0 < npre ? kpre + (p - p0) * HD : L.kc + (size_t)p * kvd + col; };
@@ -1266,6 +1292,18 @@ __device__ void lq_step(const LqArgs& a) {
     if (threadIdx.x == 0) LQ_PMARK(4);
     unsigned it = 0;
     const unsigned P = gridDim.x;
+    // NTX_LQ_HQKV: how many blocks hold rows of this attention block's KV head (thread t asks for blocks t, t + LQ_THREADS ..;
+    // a barrier's population count adds them up)
+    unsigned head_blocks = 0;
+    if (NTX_LQ_HQKV && (int)blockIdx.x < a.n_kv * a.chunks)
+        for (int b0 = 0; b0 < (int)P; b0 += LQ_THREADS) {
+            const int b = b0 + (int)threadIdx.x;
+            const unsigned hold = b < (int)P && lq_holds_head(a, b, (int)blockIdx.x / a.chunks) ? 1u : 0u;
+            unsigned c;
+            asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %1, 0;\n\tbar.red.popc.u32 %0, 1, %2, p;\n\t}"
+                         : "=r"(c) : "r"(hold), "n"(LQ_THREADS) : "memory");
+            head_blocks += c;
+        }
     // a.trace (a benchmark's tool, null otherwise): every block's thread 0
     // writes the GPU clock at LQ_MARKS points of each layer (cuda_layers.StackDecode.trace)
 #define LQ_MARK(k) do { if (!NTX_LQ_ATRACE || (k) < 4) LQ_TMARK(layer, k); } while (0)
@@ -1287,14 +1325,20 @@ __device__ void lq_step(const LqArgs& a) {
         lq_phase(a, 0, s, it, nullptr, [&](int r, float t, float, float) { a.qkv[r] = t; });
         LQ_MARK(3);
         if (layer == 0 && threadIdx.x == 0) LQ_PMARK(6);
-        lq_signal(ctr + 0);
-        if ((int)blockIdx.x < a.n_kv * a.chunks) {  // each waits for every q/k/v row inside
+        if (NTX_LQ_HQKV) {  // a signal to each KV head whose rows the block holds
+            LQ_SYNC();
+            if ((int)threadIdx.x < a.n_kv && lq_holds_head(a, blockIdx.x, threadIdx.x))
+                asm volatile("red." LQ_REL ".gpu.global.add.u32 [%0], 1;" ::"l"(lq_head_ctr(a, layer, threadIdx.x)) : "memory");
+        } else {
+            lq_signal(ctr + 0);
+        }
+        if ((int)blockIdx.x < a.n_kv * a.chunks) {  // each waits for every q/k/v row inside (NTX_LQ_HQKV: its head's)
             if (G <= 2)
-                lq_attention<V, 2>(a, L, layer, blockIdx.x, s, ctr + 0);
+                lq_attention<V, 2>(a, L, layer, blockIdx.x, s, ctr + 0, head_blocks);
             else if (G <= 4)
-                lq_attention<V, 4>(a, L, layer, blockIdx.x, s, ctr + 0);
+                lq_attention<V, 4>(a, L, layer, blockIdx.x, s, ctr + 0, head_blocks);
             else
-                lq_attention<V, LQ_GMAX>(a, L, layer, blockIdx.x, s, ctr + 0);
+                lq_attention<V, LQ_GMAX>(a, L, layer, blockIdx.x, s, ctr + 0, head_blocks);
         }
         LQ_MARK(4);
         if (NTX_LQ_ATRACE && (int)blockIdx.x >= a.n_kv * a.chunks)

@@ -154,7 +154,8 @@ class StackDecode:
         self.qkv, self.att, self.hid = new(d + 2 * kvd), new(d), new(cfg.n_ff)
         self.hq, self.hqd = new(cfg.n_ff + cfg.n_embd, dtype=np.int8), new((cfg.n_ff + cfg.n_embd) // 32)  # + the attention's row
         self.part = new(cfg.n_head_kv * self.chunks * (2 * self.group + self.group * cfg.head_dim))
-        self.ctr = new(self.n_layers * (NCTR + cfg.n_head_kv), dtype=np.uint32)
+        # a layer's counters and its KV heads' chunk counters, then every layer's heads' q/k/v counters (NTX_LQ_HQKV)
+        self.ctr = new(self.n_layers * (NCTR + 2 * cfg.n_head_kv), dtype=np.uint32)
         k = b.k
         k._allow_smem(SOURCE, self.kernel, self.smem)
         fn = k.fn(SOURCE, self.kernel)
