@@ -1294,7 +1294,9 @@ __device__ void lq_step(const LqArgs& a) {
     const unsigned P = gridDim.x;
     // NTX_LQ_HQKV: how many blocks hold rows of this attention block's KV head (thread t asks for blocks t, t + LQ_THREADS ..;
     // a barrier's population count adds them up)
+    // and (thread t < n_kv) whether this block holds rows of KV head t, whose counter it signals each layer
     unsigned head_blocks = 0;
+    const bool holds_head = NTX_LQ_HQKV && (int)threadIdx.x < a.n_kv && lq_holds_head(a, blockIdx.x, threadIdx.x);
     if (NTX_LQ_HQKV && (int)blockIdx.x < a.n_kv * a.chunks)
         for (int b0 = 0; b0 < (int)P; b0 += LQ_THREADS) {
             const int b = b0 + (int)threadIdx.x;
@@ -1327,7 +1329,7 @@ __device__ void lq_step(const LqArgs& a) {
         if (layer == 0 && threadIdx.x == 0) LQ_PMARK(6);
         if (NTX_LQ_HQKV) {  // a signal to each KV head whose rows the block holds
             LQ_SYNC();
-            if ((int)threadIdx.x < a.n_kv && lq_holds_head(a, blockIdx.x, threadIdx.x))
+            if (holds_head)
                 asm volatile("red." LQ_REL ".gpu.global.add.u32 [%0], 1;" ::"l"(lq_head_ctr(a, layer, threadIdx.x)) : "memory");
         } else {
             lq_signal(ctr + 0);
