@@ -1,4 +1,4 @@
-"""Shared by the "stack" decode's benchmark tools (bench_stack_trace.py, bench_stack_ring.py, bench_stack_chunk.py):
+"""Shared by the "stack" decode's benchmark tools (bench_stack_trace.py, bench_stack_ring.py):
 their command line (a model, the prompt's length) and a model the stack step takes (Q8_0, Q4_K and Q6_K matrices) on
 the CUDA backend, a prompt decoded and three steps run (cubins built, the step warm)."""
 import argparse

@@ -89,7 +89,7 @@ def stack_chunks(cfg: ModelConfig, sm_count: int) -> int:
 def stack_unfit(cfg: ModelConfig, layers: list, n_ctx: int, cc: tuple[int, int], sm_count: int,
                 smem_optin: int, allowed: tuple = tuple(TYPE_CODES), hint: str = "") -> str | None:
     """Why the stack decode cannot run this model (None: it can). allowed: the weight types it may take (the
-    kernel's, or fewer: the default "stack8" takes Q8_0 models only); hint: what a type outside them adds to the reason."""
+    kernel's, or fewer: "stack8" takes Q8_0 models only); hint: what a type outside them adds to the reason."""
     d, f, hd = cfg.n_embd, cfg.n_ff, cfg.head_dim
     group = cfg.n_head // max(cfg.n_head_kv, 1)
     if cc < (9, 0):
@@ -151,11 +151,10 @@ class StackDecode:
         new = b._new
         d, kvd = cfg.n_embd, cfg.kv_dim
         self.xa, self.xb = new(1, d), new(1, d)
-        self.qkv, self.att, self.hid = new(d + 2 * kvd), new(d), new(cfg.n_ff)
+        self.qkv, self.hid = new(d + 2 * kvd), new(cfg.n_ff)
         self.hq, self.hqd = new(cfg.n_ff + cfg.n_embd, dtype=np.int8), new((cfg.n_ff + cfg.n_embd) // 32)  # + the attention's row
         self.part = new(cfg.n_head_kv * self.chunks * (2 * self.group + self.group * cfg.head_dim))
-        # a layer's counters and its KV heads' chunk counters, then every layer's heads' q/k/v counters (NTX_LQ_HQKV)
-        self.ctr = new(self.n_layers * (NCTR + 2 * cfg.n_head_kv), dtype=np.uint32)
+        self.ctr = new(self.n_layers * (NCTR + cfg.n_head_kv), dtype=np.uint32)
         k = b.k
         k._allow_smem(SOURCE, self.kernel, self.smem)
         fn = k.fn(SOURCE, self.kernel)
@@ -192,7 +191,7 @@ class StackDecode:
               f"cuMemsetD32Async({self.ctr.size} counters)")
         scale = float(np.float32(1.0 / np.sqrt(c.head_dim)))
         b.k._go(SOURCE, self.kernel, (self.blocks,), (BLOCK,),
-                (self.table, self.n_layers, x, self.xa, self.xb, self.qkv, self.att, self.hid, self.part, self.hq,
+                (self.table, self.n_layers, x, self.xa, self.xb, self.qkv, self.hid, self.part, self.hq,
                  self.hqd, self.ctr,
                  b.pos_buf, b.rope_ff, c.rope_dim, b.rope_scale, c.rope_freq_scale, int(c.rope_type == ROPE_NEOX),
                  c.n_embd, c.n_ff, c.n_head, c.n_head_kv, self.chunks, float(c.rms_eps), scale, self.types, self.trace,

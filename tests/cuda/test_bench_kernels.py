@@ -37,22 +37,6 @@ def test_layer_ceiling_reads_a_synthetic_8b_layer(mix, key):
     assert all(n % 16 == 0 for _, n in want)  # read_chain reads whole 16-byte chunks
 
 
-def test_the_stack_chunk_trace_needs_its_build():
-    """scripts/bench_stack_chunk.py reads times only an NTX_LQ_CTRACE=N build writes (N: a phase + 1): without it, or
-    with a phase that does not exist, it says how to build it instead of reading another build's marks."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    for defines in ("", "-DNTX_LQ_CTRACE=5"):
-        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root), "NTX_CUDA_DEFINES": defines}
-        r = subprocess.run([sys.executable, str(root / "scripts/bench_stack_chunk.py"), "m.gguf"],
-                           capture_output=True, text=True, env=env, timeout=120)
-        assert r.returncode != 0 and "NTX_CUDA_DEFINES=-DNTX_LQ_CTRACE=N" in r.stderr, r.stderr
-        assert "Traceback" not in r.stderr
-
-
 def test_the_stack_start_marks_need_their_build():
     """scripts/bench_stack_trace.py --start reads the marks only an NTX_LQ_PTRACE build writes: without it, it says
     so instead of printing another build's marks as the launch's start."""
@@ -67,8 +51,7 @@ def test_the_stack_start_marks_need_their_build():
     assert r.returncode != 0 and "NTX_CUDA_DEFINES=-DNTX_LQ_PTRACE=1" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("script,defines", [("bench_stack_trace.py", ""), ("bench_stack_ring.py", "-DNTX_LQ_RTRACE=1"),
-                                            ("bench_stack_chunk.py", "-DNTX_LQ_CTRACE=4")])
+@pytest.mark.parametrize("script,defines", [("bench_stack_trace.py", ""), ("bench_stack_ring.py", "-DNTX_LQ_RTRACE=1")])
 def test_the_stack_tools_name_a_bad_model_or_prompt(tmp_path, script, defines):
     """The stack tools' bad input is a one-line error naming it (a model that cannot be opened, a prompt length that
     is not a number), never a traceback; --help prints the tool's description."""
