@@ -158,7 +158,7 @@ class Engine:
         if not self.model.stackable():
             why = "the layers are streamed, split with the CPU, mixture-of-experts or hooked: one launch a layer"
         elif not b.stack_asked:
-            why = "NTX_CUDA_FUSE leaves the stack step out (it is in the default, all,stack8)"
+            why = "NTX_CUDA_FUSE leaves the stack step out (it is in the default, all,stack)"
         elif b.stack is None and b.stack_why_not is None:
             why = "no one-token decode step has run yet"
         else:

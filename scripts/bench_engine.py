@@ -9,8 +9,8 @@ JSON out and a short table last (the form the lent-GPU runs record in docs/bench
 A variant is MATVEC/ATTN[/pdl][/fuse[=A+B..]][/mmq][/gemm|/nogemm][/noprewait][/nopair][/noq6pair][/noagpre][/nonormpre][/noreg][/D=M:V+..][/skip=N][/cl=C][/drop=K]: MATVEC
 fast|staged|direct, ATTN grid|split|single, pdl = Hopper programmatic dependent launch, fuse = the fused kernels
 (all, or the named ones of cuda_backend.FUSIONS: qkv, ffn, rope, norm, attn, stack, stack8 (opt-in: the
-layers in one persistent launch, Q8_0 / Q4_K / Q6_K models; stack8: Q8_0 models only, in the backend's default
-all,stack8); without it, none), mmq = prefill matmuls
+layers in one persistent launch, Q8_0 / Q4_K / Q6_K models, in the backend's default all,stack; stack8: Q8_0
+models only); without it, none), mmq = prefill matmuls
 on the int8 tensor cores (mmq.cu), gemm / nogemm = prefill matmuls as fp16 cuBLAS GEMMs (dequant.cu) or not
 (neither: the backend's default, NTX_CUDA_GEMM), noprewait = the dp4a kernels load no weight before the PDL wait
 (-DNTX_PRE_WAIT=0, matvec_fast.cuh), nopair = the decode gate/up kernel streams its two rows one after the other

@@ -16,8 +16,8 @@ block also quantizes its output for the matmul that reads it (the o projection).
 computes bit for bit what the unfused kernels compute. "stack" (not in "all") runs a one-token
 step's layers in one persistent launch where every layer matrix is Q8_0, Q4_K or Q6_K (`decode_stack`,
 backends/cuda_layers.py): held to the numpy backend within tolerances, not bit for bit; "stack8" the
-same where every layer matrix is Q8_0 only. The default is "all,stack8": at 8B the stack step is
-faster than the layer-by-layer kernels for Q8_0 and slower for Q4_K_M (docs/cuda.md).
+same where every layer matrix is Q8_0 only. The default is "all,stack": at 8B the stack step is
+faster than the layer-by-layer kernels for Q8_0 (~10 %) and for Q4_K_M (~1 %, docs/cuda.md, session 23).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ GEMM_MIN_TOKENS = 32
 GEMM_SLAB_BYTES = 128 << 20
 GEMM_TYPES = frozenset(KERNEL_TYPES) - {GGMLType.F32, GGMLType.BF16}  # fp16 holds these exactly or as ggml rounds
 # tests/cuda/test_fused_gpu.py passed on the H200 ("all": fused == unfused, bit for bit), and the whole GPU suite
-# with the stack step for Q8_0 models ("stack8")
-DEFAULT_FUSE = "all,stack8"
+# with the stack step ("stack": Q8_0, Q4_K and Q6_K layer matrices)
+DEFAULT_FUSE = "all,stack"
 
 
 def gemm_workspace_bytes(cfg: ModelConfig) -> int:
@@ -501,8 +501,8 @@ class CudaBackend:
             c, dev = self._model(), self.device
             allowed, hint = tuple(TYPE_CODES), ""
             if "stack" not in self.fuse:  # "stack8": Q8_0 models only
-                allowed, hint = (GGMLType.Q8_0,), (": the default stack step (stack8) takes Q8_0 models "
-                                                    "(NTX_CUDA_FUSE=all,stack also runs Q4_K/Q6_K mixes, slower at 8B)")
+                allowed, hint = (GGMLType.Q8_0,), (": the stack step stack8 takes Q8_0 models "
+                                                    "(NTX_CUDA_FUSE=all,stack, the default, also runs Q4_K/Q6_K mixes)")
             why = stack_unfit(c, layers, self.n_ctx, dev.cc, dev.sm_count, dev.max_smem_optin, allowed, hint)
             self._stack = (layers, None if why else StackDecode(self, layers), why)
         if self._stack[1] is None:

@@ -17,7 +17,7 @@ def test_fusion_names(monkeypatch):
     assert parse_fusions("all") == parse_fusions(True) == frozenset(FUSIONS) - OPT_IN_FUSIONS
     assert {"stack", "stack8"} <= set(FUSIONS) and not {"stack", "stack8"} & parse_fusions("all")
     assert parse_fusions("all,stack,stack8") == frozenset(FUSIONS)
-    assert parse_fusions(None) == parse_fusions("all") | {"stack8"}  # the default: the stack step for Q8_0 models
+    assert parse_fusions(None) == parse_fusions("all") | {"stack"}  # the default: the stack step (Q8_0, Q4_K, Q6_K)
     assert parse_fusions("none") == parse_fusions(False) == parse_fusions("") == frozenset()
     assert parse_fusions("qkv, norm") == {"qkv", "norm"}
     monkeypatch.setenv("NTX_CUDA_FUSE", "ffn,rope")

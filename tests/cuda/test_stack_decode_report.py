@@ -21,7 +21,7 @@ def _report(stackable=True, fuse=("stack8",), stack=None, why=None, cuda=True):
 def test_the_report_names_the_path_and_the_reason():
     assert _report(cuda=False) is None
     assert _report(stack=object()) == {"one_launch": True, "why_not": None}
-    why = "blk.0.wq is Q4_K: the default stack step (stack8) takes Q8_0 models"
+    why = "blk.0.wq is Q4_K: the stack step stack8 takes Q8_0 models"
     assert _report(why=why) == {"one_launch": False, "why_not": why}
     assert "streamed" in _report(stackable=False)["why_not"]
     assert "NTX_CUDA_FUSE" in _report(fuse=("qkv", "norm"))["why_not"]

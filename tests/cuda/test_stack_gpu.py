@@ -110,19 +110,20 @@ def test_stack_falls_back_with_a_reason(cuda_backend, synth, tmp_path):
     assert a[0] == c[0] and all(np.array_equal(x, y) for x, y in zip(a[1], c[1]))
 
 
-def test_the_default_runs_the_stack_step_for_q8_0_models_only(cuda_backend, synth, tmp_path, monkeypatch):
-    """The default fusions ("all,stack8"): a Q8_0 model decodes through the stack step, bit for bit as with the
-    stack named ("all,stack"); a Q4_K_M model the stack step could run goes layer by layer, bit for bit as "all",
+def test_the_default_runs_the_stack_step_and_stack8_takes_q8_0_only(cuda_backend, synth, tmp_path, monkeypatch):
+    """The default fusions ("all,stack"): a Q8_0 and a Q4_K_M model decode through the stack step, bit for bit as
+    with the stack named ("all,stack"); with "all,stack8" a Q4_K_M model goes layer by layer, bit for bit as "all",
     with the reason named."""
     from ntx_engine.backends.cuda_backend import CudaBackend
 
-    monkeypatch.delenv("NTX_CUDA_FUSE", raising=False)
     prompt = np.arange(9)
-    for mix, named, why in (("q8_0", "all,stack", None), ("q4_k_m", "all", "the default stack step (stack8)")):
+    for mix, fuse, named, why in (("q8_0", None, "all,stack", None), ("q4_k_m", None, "all,stack", None),
+                                  ("q4_k_m", "all,stack8", "all", "the stack step stack8 takes Q8_0 models")):
+        monkeypatch.delenv("NTX_CUDA_FUSE", raising=False)
         gf, cfg = synthetic_gguf(synth, tmp_path, "small", mix, 2, seed=5)
         runs = []
-        for fuse in (None, named):
-            b = CudaBackend(fuse=fuse)
+        for f in (fuse, named):
+            b = CudaBackend(fuse=f)
             runs.append((b, greedy(Transformer(cfg, WeightLoader(gf, cfg, b).load(), b, 64).forward, prompt, 3)))
         (b, (toks, logits)), (_, (toks2, logits2)) = runs
         assert toks == toks2 and all(np.array_equal(x, y) for x, y in zip(logits, logits2)), mix
