@@ -17,7 +17,7 @@ computes bit for bit what the unfused kernels compute. "stack" (not in "all") ru
 step's layers in one persistent launch where every layer matrix is Q8_0, Q4_K or Q6_K (`decode_stack`,
 backends/cuda_layers.py): held to the numpy backend within tolerances, not bit for bit; "stack8" the
 same where every layer matrix is Q8_0 only. The default is "all,stack": at 8B the stack step is
-faster than the layer-by-layer kernels for Q8_0 (~10 %) and for Q4_K_M (~1 %, docs/cuda.md, session 23).
+faster than the layer-by-layer kernels for Q8_0 (~10 %) and for Q4_K_M (1–3 %, docs/cuda.md, session 23).
 """
 
 from __future__ import annotations
