@@ -865,6 +865,19 @@ __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& i
     it = e + 1;
 }
 
+// NTX_LQ_PVU, NTX_LQ_CBU: the unroll factors of the attention's p.V loop (1) and of its combine's loop over the chunks'
+// partials in shared memory (2). Each form of the attention is code the layer runs once, fetched cold (the instruction
+// cache, docs/cuda.md session 23); from 4 and 8: 6 KB less code a form, Q8_0 392.1 / 392.3 against 387.4 / 387.1 tok/s,
+// Q4_K_M 454.1 / 455.3 against 452.2 / 451.6 (with the code moved by NTX_LQ_PAD=8: 391.6 against 388.9, 453.0 against
+// 452.3). (The combine not unrolled at all: 446.4 / 447.7.) The order of the additions is the same at any factor.
+#ifndef NTX_LQ_PVU
+#define NTX_LQ_PVU 1
+#endif
+#ifndef NTX_LQ_CBU
+#define NTX_LQ_CBU 2
+#endif
+#define LQ_PRAGMA(x) _Pragma(#x)
+#define LQ_UNROLL(n) LQ_PRAGMA(unroll n)
 // One (KV head, chunk) of the layer's attention for groups of G <= GM query heads; the head's last
 // chunk to finish combines them.
 template <int V, int GM>
@@ -975,7 +988,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         float acc[GM][2], l[GM];
 #pragma unroll
         for (int g = 0; g < GM; ++g) acc[g][0] = acc[g][1] = l[g] = 0.f;
-#pragma unroll 4
+LQ_UNROLL(NTX_LQ_PVU)
         for (int p = p0 + pg; p < p1; p += NPG) {
             const uint32_t w = *reinterpret_cast<const uint32_t*>(vrow(p) + 2 * dt);
             const float v0 = ntx_h2f((uint16_t)(w & 0xffffu)), v1 = ntx_h2f((uint16_t)(w >> 16));
@@ -1062,7 +1075,7 @@ __device__ __noinline__ void lq_attention(const LqArgs& a, const LqLayer& L, int
         float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
         if (on && pre) {  // (t: threadIdx.x) this thread's copies of the partials
             asm volatile("cp.async.wait_all;" ::: "memory");
-#pragma unroll 8
+LQ_UNROLL(NTX_LQ_CBU)
             for (int q = 0; q < C; ++q) {
                 const float w = wt[2 * C * G + q * G + g];
                 const float4 v = pv[q * nt + t];
