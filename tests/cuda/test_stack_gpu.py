@@ -116,10 +116,10 @@ def test_the_default_runs_the_stack_step_and_stack8_takes_q8_0_only(cuda_backend
     with the reason named."""
     from ntx_engine.backends.cuda_backend import CudaBackend
 
+    monkeypatch.delenv("NTX_CUDA_FUSE", raising=False)
     prompt = np.arange(9)
     for mix, fuse, named, why in (("q8_0", None, "all,stack", None), ("q4_k_m", None, "all,stack", None),
                                   ("q4_k_m", "all,stack8", "all", "the stack step stack8 takes Q8_0 models")):
-        monkeypatch.delenv("NTX_CUDA_FUSE", raising=False)
         gf, cfg = synthetic_gguf(synth, tmp_path, "small", mix, 2, seed=5)
         runs = []
         for f in (fuse, named):
