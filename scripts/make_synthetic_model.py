@@ -36,6 +36,9 @@ SHAPES = {
     "small": (2, 2048, 2048, 16, 4, 512, 10000.0, 512),  # rows of 2048: every weight takes the dp4a kernels
     "gqa8": (2, 4096, 1024, 32, 8, 512, 10000.0, 2048),  # Llama-3-8B's heads (32 x 128, 8 KV) in a small model
     "gqa3": (2, 768, 1024, 12, 4, 512, 100000.0, 2048),  # SmolLM2's group: 3 query heads of 64 a KV head (odd)
+    # Llama-3-8B's heads and n_embd with down rows of two 2048-value K slices (the stack step's NTX_LQ_KS form:
+    # 256 row groups of 16 on 132 SMs, so blocks with two and with one)
+    "wide": (2, 4096, 4096, 32, 8, 512, 10000.0, 2048),
 }
 
 

@@ -23,7 +23,9 @@
 // 32-value blocks: a head's); (4) every block copies the quantized attention output and multiplies its o
 // rows, adding the residual; (5) the second norm;
 // (6) gate/up rows, silu(g) * u; (7) each block quantizes a slice of that, every block copies the
-// whole quantized row and multiplies its down rows, adding the residual. Between the steps a block
+// whole quantized row and multiplies its down rows, adding the residual (layer_q8_ks.cu's build: Q6_K down rows come
+// through the ring as 2048-value K slices of 16 rows, their sums kept in registers from slice to slice; see LQ_KSV).
+// Between the steps a block
 // waits on a counter in global memory that the producing blocks increment (release) after their
 // stores; nothing else synchronizes the grid.
 // The counters are zeroed before each launch (cuda_layers.StackDecode).
@@ -310,7 +312,23 @@ __device__ __forceinline__ int lq_rows(const LqArgs& a, int ph) {
 struct LqMat {
     int rb, units, type, rpc, pair, lw;  // pair: lq_phase's items are row pairs, lw: log2 of the warps an item
 };
-__shared__ LqMat lq_mt[7];
+#ifndef NTX_LQ_KS
+#define NTX_LQ_KS 0  // layer_q8_ks.cu: 4
+#endif
+__shared__ LqMat lq_mt[NTX_LQ_KS ? 8 : 7];  // [7]: the down rows' K slices (NTX_LQ_KS; rpc 0: off)
+
+// NTX_LQ_KS (bit t: weight type t; 4, Q6_K, in layer_q8_ks.cu's build, 0 in this file's): the down rows go through the ring as K slices (LQ_KSV values of
+// LQ_KSR rows a chunk: 16 Q6_K rows' 1680 bytes) instead of whole rows. A consumer group takes every slice of its 16
+// rows in turn (the producer interleaves two row groups' slices, one a group), each warp two rows, and keeps the
+// rows' lane sums in registers from slice to slice: the warp sums, the parts' combine through shared memory and the
+// residual come once a row group, not once a chunk (a whole-row down chunk: 1.71 us of a group's time of which its
+// dots 0.77, session 23). No pool: the blocks own even shares of the row groups. A chunk's 16 row copies go out from
+// 16 lanes of the producer warp (from one lane, the down rows took 20.4 us against 17.7 whole). Q4_K_M (Q6_K down
+// rows): 474.8 / 475.8 against 452.5 / 452.7 tok/s, the down rows 17.3 -> 14.0 us (session 24); Q8_0 (bit 0) the
+// same as whole rows (388.3 / 388.7 against 389.2 / 388.9): not built.
+#define LQ_KSV 2048  // values a K slice (8 K-quant blocks, 64 Q8_0 blocks: 16-byte multiples)
+#define LQ_KSR 16    // rows a K-slice chunk (two a warp)
+#define LQ_KSMAT 7   // the chunk's "matrix" (LqChunk.mat): rows row.. of down, slice n1
 
 __device__ __forceinline__ int lq_ph_mat(int ph) { return ph == 0 ? 0 : ph == 1 ? 3 : ph == 2 ? 4 : 6; }
 // Rows a chunk (a ring slot) of rows of rb bytes (per 2: gate rows, each with its up row): as many as fit a slot
@@ -335,13 +353,22 @@ __device__ void lq_mat_init(const LqArgs& a) {
         while ((2 << lw) * items <= LQ_GW) ++lw;
         lq_mt[m] = {rb, k / 32, type, rpc, pair, lw};
     }
+#if NTX_LQ_KS
+    const int t6 = lq_mt[6].type, sb = a.F >= LQ_KSV ? lq_mt[6].rb / (a.F / LQ_KSV) : 0;
+    const bool ks = ((NTX_LQ_KS >> t6) & 1) && sb > 0 && a.F % LQ_KSV == 0 && a.D % LQ_KSR == 0 && LQ_KSR * sb <= LQ_SLOT - 16;
+    lq_mt[LQ_KSMAT] = {sb, LQ_KSV / 32, t6, ks ? LQ_KSR : 0, 1, 0};
+#endif
 }
+__device__ __forceinline__ bool lq_ks() { return NTX_LQ_KS && lq_mt[LQ_KSMAT].rpc != 0; }
 // Rows a chunk of phase ph (of q|k|v: of q's).
 __device__ __forceinline__ int lq_rpc(int ph) { return lq_mt[lq_ph_mat(ph)].rpc; }
 // Chunks of a phase in its pool (its last rows), and the rows before them, which the blocks own in even shares.
 __device__ __forceinline__ int lq_pool(const LqArgs& a, int ph) {
     // (a q|k|v pool only where q, k and v have one type: its chunks may cross a matrix boundary)
     if (ph == 0 && (lq_mt[1].type != lq_mt[0].type || lq_mt[2].type != lq_mt[0].type)) return 0;
+#if NTX_LQ_KS
+    if (ph == 3 && lq_ks()) return 0;
+#endif
     return (NTX_LQ_POOLPH >> ph) & 1 ? lq_rows(a, ph) * NTX_LQ_POOL / 100 / lq_rpc(ph) : 0;
 }
 __device__ __forceinline__ int lq_owned(const LqArgs& a, int ph) { return lq_rows(a, ph) - lq_pool(a, ph) * lq_rpc(ph); }
@@ -359,6 +386,9 @@ __device__ __forceinline__ int lq_r0(const LqArgs& a, int ph, int b) {
         const long long bq = a.D * cq, bk = kvd * ck, at = (long long)b * (bq + bk + kvd * cv) / gridDim.x;  // the share's start
         return at < bq ? (int)(at / cq) : at < bq + bk ? a.D + (int)((at - bq) / ck) : a.D + (int)kvd + (int)((at - bq - bk) / cv);
     }
+#if NTX_LQ_KS
+    if (ph == 3 && lq_ks()) return LQ_KSR * (int)((unsigned)b * (unsigned)(a.D / LQ_KSR) / gridDim.x);  // whole row groups
+#endif
     return (int)((unsigned)b * (unsigned)lq_owned(a, ph) / gridDim.x);
 }
 // Where the matrix holding row `row` of phase ph ends (q, k and v are three matrices).
@@ -428,6 +458,35 @@ struct LqFill {
     }
 };
 
+// The block's chunks of one layer in consumption order (the producer's list, LqFill; the first launch only: a
+// function of its own, out of the code the layers run). NTX_LQ_KS: the down rows' K slices, the block's row groups
+// two at a time with their slices interleaved (ring chunk i goes to consumer group i % 2, so each group takes every
+// slice of one row group); an odd last group's slices alternate with empty chunks.
+#if NTX_LQ_KS
+__device__ __noinline__ int lq_list(const LqArgs& a, LqChunk* chunks) {
+    LqFill f;
+    f.start(a);
+    int nc = 0;
+    while (f.layer == 0 && nc < LQ_CMAX) {
+        if (lq_ks() && f.ph == 3) {
+            const int nk = a.F / LQ_KSV;
+            if (nc + 2 * nk * ((f.r1 - f.row + 2 * LQ_KSR - 1) / (2 * LQ_KSR)) > LQ_CMAX) __trap();
+            for (int g = f.row; g < f.r1; g += 2 * LQ_KSR)
+                for (int k = 0; k < nk; ++k)
+                    for (int h = 0; h < 2; ++h)
+                        chunks[nc++] = {(unsigned)(g + h * LQ_KSR), (unsigned short)(g + h * LQ_KSR < f.r1 ? LQ_KSR : 0),
+                                        (unsigned char)LQ_KSMAT, (unsigned char)k};
+            f.row = f.r1;
+            f.skip_empty(a);
+            break;
+        }
+        chunks[nc++] = f.next(a);
+    }
+    if (f.layer == 0) __trap();  // more chunks than the list holds (cuda_layers.stack_unfit checks)
+    return nc;
+}
+#endif
+
 __device__ __forceinline__ int lq_lds_vol(unsigned addr) {
     int v;
     asm volatile("ld.volatile.shared.s32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
@@ -444,15 +503,27 @@ __device__ __forceinline__ unsigned long long lq_lds64(unsigned addr) {
 __device__ __forceinline__ unsigned lq_chunk_w1(LqChunk e) { return (unsigned)e.n0 | (unsigned)e.mat << 16 | (unsigned)e.n1 << 24; }
 __device__ __forceinline__ int lq_chunk_ph(unsigned w1) {
     const int mat = (int)((w1 >> 16) & 0xffu);
-    return mat < 3 ? 0 : mat == 6 ? 3 : mat - 2;
+    return mat < 3 ? 0 : (NTX_LQ_KS ? mat >= 6 : mat == 6) ? 3 : mat - 2;
 }
 
 // Issue the chunk whose LqChunk words are row, w1 (row: of the phase) for the layer whose LqLayer sits at shared address lyr
 // into slot (the producer warp's first lane): no divisions, shared-memory loads only. pol: the copies' L2
 // policy.
 __device__ __forceinline__ void lq_issue(unsigned row, unsigned w1, unsigned lyr, int D, int kvd,
-                                         uint8_t* slot, uint64_t* bar, unsigned long long pol) {
+                                         uint8_t* slot, uint64_t* bar, unsigned long long pol, int pl) {
     const int n0 = (int)(w1 & 0xffffu), mat = (int)((w1 >> 16) & 0xffu), n1 = (int)(w1 >> 24);
+    if (NTX_LQ_KS && mat == LQ_KSMAT) {  // slice n1 of down rows row .. row + n0 - 1: a copy a row, from lane r
+        const int rb = lq_mt[6].rb, sb = lq_mt[LQ_KSMAT].rb;
+        if (NTX_LQ_PROBE == 3 || NTX_LQ_PROBE == 7) {
+            if (pl == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(bar)) : "memory");
+            return;
+        }
+        if (pl == 0) lq_expect(bar, (unsigned)(n0 * sb));
+        const uint8_t* w = reinterpret_cast<const uint8_t*>(lq_lds64(lyr + 8u * 6u)) + (size_t)row * rb + n1 * sb;
+        if (pl < n0) lq_copy(slot + pl * sb, w + (size_t)pl * rb, (unsigned)sb, bar, pol);
+        return;
+    }
+    if (pl != 0) return;
     row -= mat == 1 ? D : mat == 2 ? D + kvd : 0;  // the row in its matrix
     const int rb = lq_mt[mat].rb;  // (a chunk crossing into the next matrix: the same type)
     const unsigned bytes = (unsigned)((n0 + n1) * rb);
@@ -796,12 +867,56 @@ __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& i
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp / LQ_GW, wi = warp % LQ_GW;
     const int per = ph == 2 ? 2 : 1;
     unsigned i = it + (unsigned)((grp - (int)(it % LQ_GROUPS) + LQ_GROUPS) % LQ_GROUPS);  // the group's first chunk
+    float2 acc = make_float2(0.f, 0.f);  // NTX_LQ_KS: the warp's two rows' lane sums over their slices so far
     for (;; i += LQ_GROUPS) {
         const int slot = i % NTX_LQ_SLOTS;
         lq_wait_bar(s.full + slot, (i / NTX_LQ_SLOTS) & 1);
         if (NTX_LQ_RTRACE && wi == 0 && lane == 0 && s.flag[3]) LQ_RMARK((int)(i - s.flag[2]), 1, global_ns());
         unsigned row, w1;
         asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(row), "=r"(w1) : "r"(lq_smem(s.desc + slot)) : "memory");
+        if (NTX_LQ_KS && ph == 3 && ((w1 >> 16) & 0xffu) == LQ_KSMAT) {
+            // slice k of rows row .. row + 15 (none: a group's turn skipped, where the block has an odd number of row
+            // groups): this warp's rows row + wi and row + wi + 8, their sums kept from slice to slice
+            const int k = (int)(w1 >> 24), nk = a.F / LQ_KSV;
+            if ((w1 & 0xffffu) != 0) {
+                const LqMat& m = lq_mt[LQ_KSMAT];
+                float* rv = s.resv + 2 * warp;
+                if (k == 0) {
+                    acc = make_float2(0.f, 0.f);
+                    if (lane == 0) {
+                        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(lq_smem(rv)), "l"(res + row + wi) : "memory");
+                        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(lq_smem(rv + 1)), "l"(res + row + wi + 8) : "memory");
+                        asm volatile("cp.async.commit_group;" ::: "memory");
+                    }
+                }
+                // the slot's rows against units 64 k .. of the activations: the dots' block (unit) index runs from
+                // slice k's first, so the rows' offsets are taken back by k slices (one pass of each lane's loop)
+                const int o = slot * LQ_SLOT + wi * m.rb - k * m.rb;
+                const int ob = o + 8 * m.rb, nu = (k + 1) * m.units;
+                float2 t = make_float2(0.f, 0.f);  // (only the types NTX_LQ_KS names are built in)
+                if (NTX_LQ_PROBE == 1 || NTX_LQ_PROBE == 7)
+                    ;
+                else if ((NTX_LQ_KS & (1 << LQ_Q6_K)) && m.type == LQ_Q6_K)
+                    t = lq_dot_q6_k<2>(o, ob, nu, k, 1);
+                else if ((NTX_LQ_KS & (1 << LQ_Q4_K)) && m.type == LQ_Q4_K)
+                    t = lq_dot_q4_k<2>(o, ob, nu, k, 1);
+                else if (NTX_LQ_KS & (1 << LQ_Q8_0))
+                    t = lq_dot_q8_0<2>(o, ob, nu, 2 * k, 1);
+                acc.x += t.x;
+                acc.y += t.y;
+                if (k == nk - 1) {
+                    const float ta = warp_sum(acc.x), tb = warp_sum(acc.y);
+                    if (lane == 0) {
+                        asm volatile("cp.async.wait_all;" ::: "memory");
+                        out((int)row + wi, ta, 0.f, *reinterpret_cast<volatile float*>(rv));
+                        out((int)row + wi + 8, tb, 0.f, *reinterpret_cast<volatile float*>(rv + 1));
+                    }
+                }
+            }
+            __syncwarp();
+            if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(s.empty + slot)) : "memory");
+            continue;
+        }
         const int n = (int)(w1 & 0xffffu) + (int)(w1 >> 24);
         const LqMat m = lq_mt[(w1 >> 16) & 0xffu];  // (a chunk crossing into the next matrix: the same type)
         // the chunk's items: row pairs (gate/up: gate row p with up row p; else, where a chunk has more rows than
@@ -1177,16 +1292,33 @@ __device__ void lq_step(const LqArgs& a) {
         int nc = NTX_LQ_RELIST ? 0 : (int)__ldcg(&gl->x);
         for (int i = (int)(threadIdx.x & 31); i < nc; i += 32) reinterpret_cast<uint2*>(s.chunks)[i] = __ldcg(gl + 1 + i);
         __syncwarp();
+        // (NTX_LQ_KS: the whole warp runs the producer's loop, so a K-slice chunk's row copies go out from as many
+        // lanes; else its first lane alone)
+#if NTX_LQ_KS
+        const int pl = (int)(threadIdx.x & 31);
+        if (pl == 0 && nc == 0) {
+#else
+        const int pl = 0;
         if (threadIdx.x == LQ_THREADS) {
             if (nc == 0) {
-                LqFill f;
-                f.start(a);
-                while (f.layer == 0 && nc < LQ_CMAX) s.chunks[nc++] = f.next(a);
-                if (f.layer == 0) __trap();  // more chunks than the list holds (cuda_layers.stack_unfit checks)
-                for (int i = 0; i < nc; ++i) gl[1 + i] = reinterpret_cast<const uint2*>(s.chunks)[i];
-                __threadfence();  // the chunks before the count (a later launch only reads both after this one)
-                gl->x = (unsigned)nc;
-            }
+#endif
+#if NTX_LQ_KS
+            nc = lq_list(a, s.chunks);
+#else
+            LqFill f;
+            f.start(a);
+            while (f.layer == 0 && nc < LQ_CMAX) s.chunks[nc++] = f.next(a);
+            if (f.layer == 0) __trap();  // more chunks than the list holds (cuda_layers.stack_unfit checks)
+#endif
+            for (int i = 0; i < nc; ++i) gl[1 + i] = reinterpret_cast<const uint2*>(s.chunks)[i];
+            __threadfence();  // the chunks before the count (a later launch only reads both after this one)
+            gl->x = (unsigned)nc;
+        }
+#if NTX_LQ_KS
+        nc = __shfl_sync(0xffffffffu, nc, 0);
+        __syncwarp();
+        {
+#endif
             LQ_PMARK(2);
             const unsigned long long pol = lq_policy();
             const int kvd = lq_kvd(a);
@@ -1198,7 +1330,7 @@ __device__ void lq_step(const LqArgs& a) {
             auto put = [&](int layer, int ph, unsigned row, unsigned w1, bool end) {
                 const int slot = i % NTX_LQ_SLOTS;
                 if (i >= NTX_LQ_SLOTS) lq_wait_bar(s.empty + slot, (i / NTX_LQ_SLOTS - 1) & 1);
-                if (NTX_LQ_RTRACE && layer >= LQ_RT_LAYER) LQ_RMARK((int)(i - NTX_LQ_SLOTS) - i0, 2, global_ns());
+                if (NTX_LQ_RTRACE && pl == 0 && layer >= LQ_RT_LAYER) LQ_RMARK((int)(i - NTX_LQ_SLOTS) - i0, 2, global_ns());
                 // held until the consumers release the phase (lq_release)
                 if (!end && ((NTX_LQ_HOLD >> ph) & 1) && nph++ >= (ph == 3 ? NTX_LQ_PRE3 : ph == 0 ? NTX_LQ_PRE0 : ph == 2 ? NTX_LQ_PRE2 : 0)) {
                     const int q = 4 * layer + ph;
@@ -1208,13 +1340,14 @@ __device__ void lq_step(const LqArgs& a) {
                             if (global_ns() - t0 > LQ_DEADLINE_NS) __trap();
                     }
                 }
-                asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(lq_smem(s.desc + slot)), "r"(row), "r"(w1) : "memory");
-                if (end)
-                    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(s.full + slot)) : "memory");
-                else
+                if (pl == 0) asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(lq_smem(s.desc + slot)), "r"(row), "r"(w1) : "memory");
+                if (end) {
+                    if (pl == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(s.full + slot)) : "memory");
+                } else {
                     lq_issue(row, w1, lq_smem(s.layers + layer), a.D, kvd, s.ring + (size_t)slot * LQ_SLOT,
-                             s.full + slot, pol);
-                if (NTX_LQ_RTRACE && layer == LQ_RT_LAYER) {
+                             s.full + slot, pol, pl);
+                }
+                if (NTX_LQ_RTRACE && pl == 0 && layer == LQ_RT_LAYER) {
                     LQ_RMARK((int)i - i0, 0, global_ns());
                     LQ_RMARK((int)i - i0, 3, (unsigned long long)ph);
                 }
@@ -1231,12 +1364,13 @@ __device__ void lq_step(const LqArgs& a) {
                         unsigned row, w1;
                         asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(row), "=r"(w1) : "r"(tab + 8u * (unsigned)c) : "memory");
                         if (lq_chunk_ph(w1) != ph) break;
-                        put(layer, ph, row, w1, false);
+                        put(layer, ph, row, w1, NTX_LQ_KS && (w1 & 0xffffu) == 0);  // (an empty K-slice chunk: no copy)
                         if (NTX_LQ_PTRACE && layer == 0 && ph == 0 && c == 0) LQ_PMARK(3);
                     }
                     while (npool > 0) {  // the pool's chunks, while there are any
-                        unsigned k;
-                        asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;" : "=r"(k) : "l"(pools + ph) : "memory");
+                        unsigned k = 0;
+                        if (pl == 0) asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;" : "=r"(k) : "l"(pools + ph) : "memory");
+                        if (NTX_LQ_KS) k = __shfl_sync(0xffffffffu, k, 0);
                         if ((int)k >= npool) break;
                         const LqChunk e = lq_chunk(a, ph, pool0 + (int)k * rpc, rpc);
                         put(layer, ph, e.row, lq_chunk_w1(e), false);

@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 from ntx_common.errors import CudaError
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "native" / "cuda"
 SOURCES = ("matvec.cu", "matvec_fast.cu", "fused.cu", "mmq.cu", "dequant.cu", "ops.cu", "attention.cu",
-           "attn_grid.cu", "matvec_reg.cu", "layer_q8.cu")
+           "attn_grid.cu", "matvec_reg.cu", "layer_q8.cu", "layer_q8_ks.cu")
 OPTIONS = ("-std=c++17", "-default-device", "-lineinfo")
 # the decode step's macros (the dp4a matvec's launch shape NTX_G_*, NTX_FAST_WARPS, NTX_FAST_MINB,
 # NTX_SWIGLU_MINB; NTX_PRE_WAIT, NTX_SWIGLU_PAIR, NTX_Q6_PAIR: matvec_fast.cuh, fused.cu; the grid
 # attention's NTX_AG_PRE_WAIT: attn_grid.cu; NTX_REG=0: the build without matvec_reg.cuh's decode,
 # which the host reads too: cuda_kernels.reg_build) can be set for a tuning run with
 # NTX_CUDA_DEFINES="-DNAME=VALUE ..."; they apply to these sources only
-TUNABLE = ("matvec_fast.cu", "fused.cu", "attn_grid.cu", "matvec_reg.cu", "layer_q8.cu")
+TUNABLE = ("matvec_fast.cu", "fused.cu", "attn_grid.cu", "matvec_reg.cu", "layer_q8.cu", "layer_q8_ks.cu")
 
 
 def options(source: str) -> tuple[str, ...]:
@@ -64,9 +65,23 @@ def default_cache_dir() -> Path:
     return Path(root) / "cubin"
 
 
+def included_sources(source: str, kernel_dir: Path = KERNEL_DIR) -> list[str]:
+    """The .cu files `source` includes (layer_q8_ks.cu: layer_q8.cu built with other macros), and theirs."""
+    found: list[str] = []
+    todo = [source]
+    while todo:
+        text = (kernel_dir / todo.pop()).read_text()
+        for name in re.findall(r'^\s*#\s*include\s+"([^"/]+\.cu)"', text, re.M):
+            if name not in found and name != source:
+                found.append(name)
+                todo.append(name)
+    return sorted(found)
+
+
 def cache_key(source: str, arch: str, kernel_dir: Path = KERNEL_DIR) -> str:
     h = hashlib.sha256()
-    for path in [kernel_dir / source, *sorted(kernel_dir.glob("*.cuh"))]:
+    for path in [kernel_dir / source, *(kernel_dir / s for s in included_sources(source, kernel_dir)),
+                 *sorted(kernel_dir.glob("*.cuh"))]:
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     h.update(f"{arch}|{nvrtc_version()}|{' '.join(options(source))}".encode())
     return h.hexdigest()[:24]

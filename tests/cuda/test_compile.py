@@ -144,6 +144,20 @@ def test_cache_reuses_cubin_and_keys_on_source(tmp_path):
     assert len(list(cache.iterdir())) == 3
 
 
+def test_a_source_built_from_another_is_keyed_on_both(tmp_path):
+    """layer_q8_ks.cu includes layer_q8.cu (the stack kernel with other macros): a change to layer_q8.cu is a new key
+    for both, and no change to a source that includes neither."""
+    kdir = tmp_path / "kernels"
+    shutil.copytree(cuda_nvrtc.KERNEL_DIR, kdir)
+    assert cuda_nvrtc.included_sources("layer_q8_ks.cu", kdir) == ["layer_q8.cu"]
+    names = ("layer_q8_ks.cu", "layer_q8.cu", "attention.cu")
+    before = {s: cuda_nvrtc.cache_key(s, "sm_90", kdir) for s in names}
+    (kdir / "layer_q8.cu").write_text((kdir / "layer_q8.cu").read_text() + "\n// changed\n")
+    after = {s: cuda_nvrtc.cache_key(s, "sm_90", kdir) for s in names}
+    assert after["layer_q8_ks.cu"] != before["layer_q8_ks.cu"] and after["layer_q8.cu"] != before["layer_q8.cu"]
+    assert after["attention.cu"] == before["attention.cu"]
+
+
 def test_uncached_sources_compile_side_by_side(tmp_path):
     """cached_cubins: the sources missing from the cache compiled on threads, with progress
     (0 of n, then one call a finished source), the same bytes a compile of each alone gives,

@@ -8,7 +8,8 @@ compared at the same inputs:
 - the CUDA graph of the step bit-identical to the plain stack step (the kernel sums in a fixed order), and the
   later steps (the producers' chunk lists copied from the first launch's) bit-identical to the first ones (listed
   in the launch), each block's list within the host's bound (cuda_layers.layer_chunks);
-- the stack really ran (`stack_why_not` is None), and a model it cannot run falls back with a reason.
+- the stack really ran (`stack_why_not` is None), from the build its down rows take (layer_q8_ks.cu: Q6_K rows as
+  K slices, where n_ff is a multiple of 2048; layer_q8.cu), and a model it cannot run falls back with a reason.
 Contexts from 1 to ~200 positions: the attention's 32 chunks a KV head are mostly empty, then full; and
 Llama-3-8B's heads (8 KV heads: 16 chunks on 132 SMs) at ~600 positions, where a chunk has more (position,
 head) scores than the block has 4-lane teams (the scores loop's second round)."""
@@ -33,7 +34,11 @@ STEPS = 12
 # (rows of 2048 values: Q6_K rows of 1680 bytes, whole 16-byte pieces for the ring's copies; tiny's are not)
 CASES = [("tiny", "q8_0", 4, 5, 64), ("tiny", "q8_0", 3, 180, 256), ("small", "q8_0", 2, 9, 64),
          ("small", "q8_0", 2, 120, 160), ("gqa8", "q8_0", 2, 600, 640), ("small", "q4_k_m", 2, 9, 64),
-         ("small", "q4_k_m", 2, 150, 192), ("small", "q4_k", 2, 40, 64), ("gqa3", "q8_0", 2, 200, 256)]
+         ("small", "q4_k_m", 2, 150, 192), ("small", "q4_k", 2, 40, 64), ("gqa3", "q8_0", 2, 200, 256),
+         ("wide", "q4_k_m", 2, 30, 64), ("wide", "q8_0", 2, 30, 64)]
+# the cases whose Q6_K down rows go as K slices (layer_q8_ks.cu's build: n_ff a multiple of 2048); the rest load
+# layer_q8.cu's
+KS_CASES = {("small", "q4_k_m"), ("wide", "q4_k_m")}
 
 
 def _models(synth, tmp_path, shape, mix, layers, n_ctx, fuse):
@@ -88,9 +93,10 @@ def test_stack_decode_matches_numpy(cuda_backend, synth, tmp_path, shape, mix, l
     assert all(np.array_equal(a, b) for a, b in zip(plain_stack, got)), "the stack step is not deterministic"
     # the first launch listed every block's ring chunks for the later ones: a count (the first word) in the bound
     from ntx_engine.backends.cuda_driver import download
-    from ntx_engine.backends.cuda_layers import CHUNK_MAX, LAYER_FIELDS, layer_chunks
+    from ntx_engine.backends.cuda_layers import CHUNK_MAX, KS_SOURCE, LAYER_FIELDS, SOURCE, layer_chunks
 
     st, b = stack.backend.stack, stack.backend
+    assert st.source == (KS_SOURCE if (shape, mix) in KS_CASES else SOURCE), st.source
     counts = download(st.lists, b.stream).reshape(st.blocks, CHUNK_MAX + 1)[:, 0] & 0xFFFFFFFF
     types = tuple(getattr(stack.w.layers[0], n).ggml_type for n in LAYER_FIELDS[:7])
     assert counts.min() >= 1 and counts.max() <= layer_chunks(ref.cfg, st.blocks, types), counts
