@@ -458,10 +458,11 @@ struct LqFill {
     }
 };
 
-// The block's chunks of one layer in consumption order (the producer's list, LqFill; the first launch only: a
-// function of its own, out of the code the layers run). NTX_LQ_KS: the down rows' K slices, the block's row groups
-// two at a time with their slices interleaved (ring chunk i goes to consumer group i % 2, so each group takes every
-// slice of one row group); an odd last group's slices alternate with empty chunks.
+// The block's chunks of one layer in consumption order (the producer's list, LqFill; the first launch only).
+// NTX_LQ_KS: the down rows' K slices, the block's row groups two at a time with their slices interleaved (ring chunk
+// i goes to consumer group i % 2, so each group takes every slice of one row group); an odd last group's slices
+// alternate with empty chunks. (A function of its own, out of the code the layers run; the build without K slices
+// lists the chunks in line, as the whole-row list alone compiles to other code when called.)
 #if NTX_LQ_KS
 __device__ __noinline__ int lq_list(const LqArgs& a, LqChunk* chunks) {
     LqFill f;
@@ -507,8 +508,8 @@ __device__ __forceinline__ int lq_chunk_ph(unsigned w1) {
 }
 
 // Issue the chunk whose LqChunk words are row, w1 (row: of the phase) for the layer whose LqLayer sits at shared address lyr
-// into slot (the producer warp's first lane): no divisions, shared-memory loads only. pol: the copies' L2
-// policy.
+// into slot: no divisions, shared-memory loads only. pol: the copies' L2 policy; pl: the producer warp's lane (a K-slice
+// chunk's row r from lane r, any other chunk from lane 0).
 __device__ __forceinline__ void lq_issue(unsigned row, unsigned w1, unsigned lyr, int D, int kvd,
                                          uint8_t* slot, uint64_t* bar, unsigned long long pol, int pl) {
     const int n0 = (int)(w1 & 0xffffu), mat = (int)((w1 >> 16) & 0xffu), n1 = (int)(w1 >> 24);
@@ -1292,33 +1293,27 @@ __device__ void lq_step(const LqArgs& a) {
         int nc = NTX_LQ_RELIST ? 0 : (int)__ldcg(&gl->x);
         for (int i = (int)(threadIdx.x & 31); i < nc; i += 32) reinterpret_cast<uint2*>(s.chunks)[i] = __ldcg(gl + 1 + i);
         __syncwarp();
-        // (NTX_LQ_KS: the whole warp runs the producer's loop, so a K-slice chunk's row copies go out from as many
-        // lanes; else its first lane alone)
+        // the producer's loop: the whole warp where K-slice chunks' row copies go out from as many lanes (NTX_LQ_KS),
+        // else its first lane alone
+        const int pl = NTX_LQ_KS ? (int)(threadIdx.x & 31) : 0;
+        if (NTX_LQ_KS || threadIdx.x == LQ_THREADS) {
+            if (pl == 0 && nc == 0) {
 #if NTX_LQ_KS
-        const int pl = (int)(threadIdx.x & 31);
-        if (pl == 0 && nc == 0) {
+                nc = lq_list(a, s.chunks);
 #else
-        const int pl = 0;
-        if (threadIdx.x == LQ_THREADS) {
-            if (nc == 0) {
+                LqFill f;
+                f.start(a);
+                while (f.layer == 0 && nc < LQ_CMAX) s.chunks[nc++] = f.next(a);
+                if (f.layer == 0) __trap();  // more chunks than the list holds (cuda_layers.stack_unfit checks)
 #endif
-#if NTX_LQ_KS
-            nc = lq_list(a, s.chunks);
-#else
-            LqFill f;
-            f.start(a);
-            while (f.layer == 0 && nc < LQ_CMAX) s.chunks[nc++] = f.next(a);
-            if (f.layer == 0) __trap();  // more chunks than the list holds (cuda_layers.stack_unfit checks)
-#endif
-            for (int i = 0; i < nc; ++i) gl[1 + i] = reinterpret_cast<const uint2*>(s.chunks)[i];
-            __threadfence();  // the chunks before the count (a later launch only reads both after this one)
-            gl->x = (unsigned)nc;
-        }
-#if NTX_LQ_KS
-        nc = __shfl_sync(0xffffffffu, nc, 0);
-        __syncwarp();
-        {
-#endif
+                for (int i = 0; i < nc; ++i) gl[1 + i] = reinterpret_cast<const uint2*>(s.chunks)[i];
+                __threadfence();  // the chunks before the count (a later launch only reads both after this one)
+                gl->x = (unsigned)nc;
+            }
+            if (NTX_LQ_KS) {
+                nc = __shfl_sync(0xffffffffu, nc, 0);
+                __syncwarp();
+            }
             LQ_PMARK(2);
             const unsigned long long pol = lq_policy();
             const int kvd = lq_kvd(a);

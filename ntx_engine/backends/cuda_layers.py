@@ -68,20 +68,26 @@ def chunk_rows(row_bytes: int, pair: bool) -> int:
     return p
 
 
-def ks_fits(cfg: ModelConfig, down: GGMLType) -> bool:
-    """Whether the model's down rows go through the ring as K slices, KS_ROWS rows of KS_VALUES values a chunk
-    (layer_q8_ks.cu's build; the kernel's test in lq_mat_init): Q6_K rows (Q8_0 rows gained nothing that way),
-    n_ff a multiple of the slice, n_embd of the rows, a chunk within a slot."""
-    return (down == GGMLType.Q6_K and cfg.n_ff % KS_VALUES == 0 and cfg.n_embd % KS_ROWS == 0
+def ks_shape(cfg: ModelConfig, down: GGMLType) -> bool:
+    """Whether down rows of this type can go through the ring as K slices, KS_ROWS rows of KS_VALUES values a chunk
+    (the kernel's test in lq_mat_init): n_ff a multiple of the slice, n_embd of the rows, a chunk within a slot."""
+    return (cfg.n_ff % KS_VALUES == 0 and cfg.n_embd % KS_ROWS == 0
             and KS_ROWS * tensor_nbytes(down, KS_VALUES) <= SLOT - 16)
+
+
+def ks_fits(cfg: ModelConfig, down: GGMLType) -> bool:
+    """Whether the model's down rows go as K slices (layer_q8_ks.cu's build): Q6_K rows (Q8_0 rows gained nothing
+    that way) of a shape that can."""
+    return down == GGMLType.Q6_K and ks_shape(cfg, down)
 
 
 def layer_chunks(cfg: ModelConfig, sm_count: int, types: tuple | None = None) -> int:
     """Ring chunks of one layer a block at most (the producer's list, lq_step). q|k|v: a block's share of the bytes
     (lq_r0; of the rows where q, k and v rows have one size) in rows of the smallest, in chunks of the fewest rows,
-    + 1 at each matrix boundary; o, gate/up, down: a block's rows in chunks, + 1; down, where its shape lets its rows
-    go as K slices (ks_fits; of any type: a tuning build, NTX_CUDA_DEFINES=-DNTX_LQ_KS=N, may name Q8_0 or Q4_K
-    rows too): a block's row groups in pairs, a chunk a slice of each, if that is more. types: the 7 matrices' (LAYER_FIELDS), Q8_0 if None."""
+    + 1 at each matrix boundary; o, gate/up, down: a block's rows in chunks, + 1; down, where its rows can go as K
+    slices (ks_shape, of any type: a tuning build, NTX_CUDA_DEFINES=-DNTX_LQ_KS=N, may name Q8_0 or Q4_K rows too):
+    a block's row groups in pairs, a chunk a slice of each, if that is more. types: the 7 matrices' (LAYER_FIELDS),
+    Q8_0 if None."""
     d, f, kvd = cfg.n_embd, cfg.n_ff, cfg.n_head_kv * cfg.head_dim
     types = types or (GGMLType.Q8_0,) * 7
     rbs = [tensor_nbytes(t, d) for t in types[:3]]
@@ -90,7 +96,7 @@ def layer_chunks(cfg: ModelConfig, sm_count: int, types: tuple | None = None) ->
     total = -(-rows // min(chunk_rows(rb, False) for rb in rbs)) + 3
     for rows, k, t, pair in ((d, d, types[3], False), (f, d, types[4], True), (d, f, types[6], False)):
         total += -(-min(rows, -(-rows // sm_count)) // chunk_rows(tensor_nbytes(t, k), pair)) + 1
-    if f % KS_VALUES == 0 and d % KS_ROWS == 0:  # down as K slices (NTX_LQ_KS): the slices of row groups in pairs
+    if ks_shape(cfg, types[6]):  # down as K slices (NTX_LQ_KS): the slices of row groups in pairs
         whole = -(-min(d, -(-d // sm_count)) // chunk_rows(tensor_nbytes(types[6], f), False)) + 1
         groups = -(-(d // KS_ROWS) // sm_count)  # a block's row groups, at most
         total += max(0, (groups + 1) // 2 * 2 * (f // KS_VALUES) - whole)
