@@ -315,6 +315,11 @@ struct LqMat {
 #ifndef NTX_LQ_KS
 #define NTX_LQ_KS 0  // layer_q8_ks.cu: 4
 #endif
+// NTX_LQ_Q8 0: a build without the Q8_0 dot (layer_q8_ks.cu, for models of K-quant matrices only: cuda_layers.ks_fits);
+// its phase loops are ~11 KB shorter (code the layer runs once is fetched cold: docs/cuda.md, sessions 23, 25)
+#ifndef NTX_LQ_Q8
+#define NTX_LQ_Q8 1
+#endif
 __shared__ LqMat lq_mt[NTX_LQ_KS ? 8 : 7];  // [7]: the down rows' K slices (NTX_LQ_KS; rpc 0: off)
 
 // NTX_LQ_KS (bit t: weight type t; 4, Q6_K, in layer_q8_ks.cu's build, 0 in this file's): the down rows go through the ring as K slices (LQ_KSV values of
@@ -345,6 +350,7 @@ __device__ int lq_fit_rows(int rb, int per) {
 __device__ void lq_mat_init(const LqArgs& a) {
     for (int m = 0; m < 7; ++m) {
         const int k = m == 6 ? a.F : a.D, type = (int)(a.types >> (4 * m)) & 15, per = m == 4 ? 2 : 1;
+        if (!NTX_LQ_Q8 && type == LQ_Q8_0) __trap();  // a Q8_0 matrix in the K-quant build: fail, not garbage
         const int rb = type == LQ_Q4_K ? k / 256 * 144 : type == LQ_Q6_K ? k / 256 * 210 : k / 32 * LQ_BQ;
         const int rpc = lq_fit_rows(rb, per);
         // items: gate/up row pairs, pairs of rows where they outnumber the warps of a group, else single rows
@@ -849,9 +855,13 @@ __device__ __noinline__ float2 lq_dot_q6_k(int oa, int ob, int units, int pt, in
 __device__ __forceinline__ float2 lq_row_dot(int oa, int ob, bool two, int units, int pt, int wpr, int type) {
     if (NTX_LQ_PROBE == 1 || NTX_LQ_PROBE == 7) return make_float2(0.f, 0.f);
     if (type == LQ_Q4_K) return two ? lq_dot_q4_k<2>(oa, ob, units, pt, wpr) : lq_dot_q4_k<1>(oa, ob, units, pt, wpr);
-    if (type == LQ_Q6_K) return two ? lq_dot_q6_k<2>(oa, ob, units, pt, wpr) : lq_dot_q6_k<1>(oa, ob, units, pt, wpr);
+    if (!NTX_LQ_Q8 || type == LQ_Q6_K) return two ? lq_dot_q6_k<2>(oa, ob, units, pt, wpr) : lq_dot_q6_k<1>(oa, ob, units, pt, wpr);
     return two ? lq_dot_q8_0<2>(oa, ob, units, pt, wpr) : lq_dot_q8_0<1>(oa, ob, units, pt, wpr);
 }
+
+#ifndef NTX_LQ_CU
+#define NTX_LQ_CU 0  // layer_q8_ks.cu: 1 (Q8_0's gate/up and down chunks take these loops: 389.7 unrolled against 378.3)
+#endif
 
 // A phase's chunks against the activations in aq / ad, chunk by chunk from the ring, until each group
 // reads its end of the phase: the block's own rows, then the pool's chunks its producer claimed (NTX_LQ_POOL).
@@ -951,8 +961,16 @@ __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& i
                     __threadfence_block();
                     const volatile float* vp = cp;
                     t = make_float2(0.f, 0.f);
+                    // (NTX_LQ_CU: lane 0's loops over the 2-16 parts not unrolled, ~1100 instructions fewer in the
+                    // four phase loops: the K-quant build, whose Q4_K_M chunks never take them)
+#if NTX_LQ_CU
+#pragma unroll 1
+#endif
                     for (int q = 0; q < wpr; ++q) t.x += vp[ra * wpr + q];
                     if (two)
+#if NTX_LQ_CU
+#pragma unroll 1
+#endif
                         for (int q = 0; q < wpr; ++q) t.y += vp[rb * wpr + q];
                     s.ccnt[slot * LQ_WARPS + p] = 0;
                 }

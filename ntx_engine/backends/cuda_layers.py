@@ -75,10 +75,11 @@ def ks_shape(cfg: ModelConfig, down: GGMLType) -> bool:
             and KS_ROWS * tensor_nbytes(down, KS_VALUES) <= SLOT - 16)
 
 
-def ks_fits(cfg: ModelConfig, down: GGMLType) -> bool:
+def ks_fits(cfg: ModelConfig, types: tuple) -> bool:
     """Whether the model's down rows go as K slices (layer_q8_ks.cu's build): Q6_K rows (Q8_0 rows gained nothing
-    that way) of a shape that can."""
-    return down == GGMLType.Q6_K and ks_shape(cfg, down)
+    that way) of a shape that can, in a layer of K-quant matrices only (the build has no Q8_0 dot). types: the 7
+    matrices' (LAYER_FIELDS[:7]), down last."""
+    return types[6] == GGMLType.Q6_K and GGMLType.Q8_0 not in types and ks_shape(cfg, types[6])
 
 
 def layer_chunks(cfg: ModelConfig, sm_count: int, types: tuple | None = None) -> int:
@@ -167,7 +168,7 @@ class StackDecode:
         self.kernel = f"layer_q8_hd{cfg.head_dim}"
         self.smem = stack_smem(cfg.head_dim, self.group)
         # the build with the K-slice down rows where they apply (the other build runs a Q8_0 model 3 % faster)
-        self.source = KS_SOURCE if ks_fits(cfg, layers[0].w_down.ggml_type) else SOURCE
+        self.source = KS_SOURCE if ks_fits(cfg, tuple(getattr(layers[0], n).ggml_type for n in LAYER_FIELDS[:7])) else SOURCE
         self.types = sum(TYPE_CODES[getattr(layers[0], n).ggml_type] << (4 * i) for i, n in enumerate(LAYER_FIELDS[:7]))
         table = np.array([[getattr(lw, n).data.ptr if n.startswith("w") else getattr(lw, n).ptr for n in LAYER_FIELDS]
                           + [b.k_cache[i].ptr, b.v_cache[i].ptr] for i, lw in enumerate(layers)], np.uint64)

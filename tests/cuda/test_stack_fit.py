@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ntx_engine.backends.cuda_layers import stack_smem, stack_unfit
+from ntx_engine.backends.cuda_layers import ks_fits, stack_smem, stack_unfit
 from ntx_engine.quants import GGMLType
 
 H200 = dict(cc=(9, 0), sm_count=132, smem_optin=232448)  # cuDeviceGetAttribute on the lent H200
@@ -39,6 +39,18 @@ def test_llama3_8b_q8_0_and_q4_k_m_fit_the_h200():
     assert stack_unfit(_cfg(), _layers(t=GGMLType.Q4_K, mix=Q4_K_M), 4096, **H200) is None
     assert stack_unfit(_cfg(), _layers(t=GGMLType.Q6_K), 4096, **H200) is None
     assert stack_smem(128, 4) + 512 <= H200["smem_optin"]  # + the kernel's static shared memory (ptxas)
+
+
+def test_the_k_quant_build_takes_q6_k_down_rows_in_k_quant_layers_only():
+    """layer_q8_ks.cu (NTX_LQ_Q8 0) has no Q8_0 dot: a layer with a Q8_0 matrix loads layer_q8.cu's build."""
+    def types(**kw):
+        return tuple(kw.get(n, Q4_K_M.get(n, GGMLType.Q4_K)) for n in NAMES)
+    assert ks_fits(_cfg(), types())
+    assert ks_fits(_cfg(), tuple(GGMLType.Q6_K for _ in NAMES))
+    assert not ks_fits(_cfg(), types(wv=GGMLType.Q8_0))  # a Q8_0 matrix: the build with the Q8_0 dot
+    assert not ks_fits(_cfg(), types(w_down=GGMLType.Q4_K))  # (Q6_K down rows only)
+    assert not ks_fits(_cfg(), tuple(GGMLType.Q8_0 for _ in NAMES))
+    assert not ks_fits(_cfg(n_ff=14080), types())  # 55 Q6_K blocks a row: not whole 2048-value slices
 
 
 @pytest.mark.parametrize("change,why", [

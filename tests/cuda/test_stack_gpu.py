@@ -36,8 +36,8 @@ CASES = [("tiny", "q8_0", 4, 5, 64), ("tiny", "q8_0", 3, 180, 256), ("small", "q
          ("small", "q8_0", 2, 120, 160), ("gqa8", "q8_0", 2, 600, 640), ("small", "q4_k_m", 2, 9, 64),
          ("small", "q4_k_m", 2, 150, 192), ("small", "q4_k", 2, 40, 64), ("gqa3", "q8_0", 2, 200, 256),
          ("wide", "q4_k_m", 2, 30, 64), ("wide", "q8_0", 2, 30, 64)]
-# the cases whose Q6_K down rows go as K slices (layer_q8_ks.cu's build: n_ff a multiple of 2048); the rest load
-# layer_q8.cu's
+# the cases whose Q6_K down rows go as K slices (layer_q8_ks.cu's build: n_ff a multiple of 2048, K-quant matrices
+# only: cuda_layers.ks_fits); the rest load layer_q8.cu's
 KS_CASES = {("small", "q4_k_m"), ("wide", "q4_k_m")}
 
 
