@@ -380,8 +380,8 @@ __device__ __forceinline__ int lq_pool(const LqArgs& a, int ph) {
 __device__ __forceinline__ int lq_owned(const LqArgs& a, int ph) { return lq_rows(a, ph) - lq_pool(a, ph) * lq_rpc(ph); }
 // Where block b's rows of phase ph start. Where q, k and v rows differ in size (Q4_K_M: v is Q6_K) the blocks take
 // even shares of the q|k|v bytes, not of the rows: by rows, the blocks owning v rows streamed 46 % more bytes and
-// ended q/k/v ~2.4 us after the others, in every layer, with the attention waiting for them. NTX_LQ_Q6W (a tuning
-// probe, default 100): a Q6_K byte counts as that many hundredths of another type's (its arithmetic costs more).
+// ended q/k/v ~2.4 us after the others, in every layer, with the attention waiting for them. NTX_LQ_Q6W: a Q6_K byte
+// counts as that many hundredths of another type's (its arithmetic costs more): 100 here, 130 in layer_q8_ks.cu's build.
 #ifndef NTX_LQ_Q6W
 #define NTX_LQ_Q6W 100
 #endif

@@ -15,4 +15,10 @@
 #ifndef NTX_LQ_CU
 #define NTX_LQ_CU 1
 #endif
+// A Q6_K v row's byte counts as 1.3 of a Q4_K row's in the blocks' q|k|v shares (lq_r0): the blocks holding v rows ended
+// q/k/v last in every layer (1.41 us after the median, the lateness pattern's correlation over layers 0.97), and the
+// attention waits for the last. Q4_K_M 487.5 / 489.7 tok/s against 482.2 / 482.6 at 100, 486.0 at 150 (session 25).
+#ifndef NTX_LQ_Q6W
+#define NTX_LQ_Q6W 130
+#endif
 #include "layer_q8.cu"

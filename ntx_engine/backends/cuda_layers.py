@@ -38,6 +38,7 @@ CHUNK_BYTES = 8  # sizeof(LqChunk)
 LAYER_BYTES = 8 * 11  # sizeof(LqLayer)
 STATIC_SMEM = 768  # at least the kernel's static shared memory (ptxas: 512 bytes)
 KS_VALUES, KS_ROWS = 2048, 16  # LQ_KSV, LQ_KSR: a K-slice chunk of the down rows (NTX_LQ_KS)
+Q6W_KS = 130  # layer_q8_ks.cu's NTX_LQ_Q6W: a Q6_K byte's weight in the blocks' q|k|v shares (layer_q8.cu's: 100)
 GROUPS = 2  # LQ_GROUPS: consumer warp groups (chunk i: group i % GROUPS)
 GROUP_WARPS = THREADS // 32 // GROUPS  # LQ_GW
 # The weight types of the kernel's matrices (LQ_Q8_0, LQ_Q4_K, LQ_Q6_K: its `types` word, a nibble a matrix).
@@ -84,16 +85,19 @@ def ks_fits(cfg: ModelConfig, types: tuple) -> bool:
 
 def layer_chunks(cfg: ModelConfig, sm_count: int, types: tuple | None = None) -> int:
     """Ring chunks of one layer a block at most (the producer's list, lq_step). q|k|v: a block's share of the bytes
-    (lq_r0; of the rows where q, k and v rows have one size) in rows of the smallest, in chunks of the fewest rows,
-    + 1 at each matrix boundary; o, gate/up, down: a block's rows in chunks, + 1; down, where its rows can go as K
-    slices (ks_shape, of any type: a tuning build, NTX_CUDA_DEFINES=-DNTX_LQ_KS=N, may name Q8_0 or Q4_K rows too):
+    (lq_r0, a Q6_K byte weighted as either build does; of the rows where q, k and v rows have one size) in rows of the
+    smallest, in chunks of the fewest rows, + 1 at each matrix boundary; o, gate/up, down: a block's rows in chunks,
+    + 1; down, where its rows can go as K slices (ks_shape, of any type: a tuning build, NTX_CUDA_DEFINES=-DNTX_LQ_KS=N, may name Q8_0 or Q4_K rows too):
     a block's row groups in pairs, a chunk a slice of each, if that is more. types: the 7 matrices' (LAYER_FIELDS),
     Q8_0 if None."""
     d, f, kvd = cfg.n_embd, cfg.n_ff, cfg.n_head_kv * cfg.head_dim
     types = types or (GGMLType.Q8_0,) * 7
     rbs = [tensor_nbytes(t, d) for t in types[:3]]
-    share = -(-(d * rbs[0] + kvd * (rbs[1] + rbs[2])) // sm_count)
-    rows = min(d + 2 * kvd, share // min(rbs) + 1)
+    rows = 0
+    for w in (100, Q6W_KS):  # the shares' Q6_K byte weight (NTX_LQ_Q6W) in either build
+        cost = [rb * (w if t == GGMLType.Q6_K else 100) for rb, t in zip(rbs, types)]
+        share = -(-(d * cost[0] + kvd * (cost[1] + cost[2])) // sm_count)
+        rows = max(rows, min(d + 2 * kvd, share // min(cost) + 1))
     total = -(-rows // min(chunk_rows(rb, False) for rb in rbs)) + 3
     for rows, k, t, pair in ((d, d, types[3], False), (f, d, types[4], True), (d, f, types[6], False)):
         total += -(-min(rows, -(-rows // sm_count)) // chunk_rows(tensor_nbytes(t, k), pair)) + 1
