@@ -380,8 +380,8 @@ __device__ __forceinline__ int lq_pool(const LqArgs& a, int ph) {
 __device__ __forceinline__ int lq_owned(const LqArgs& a, int ph) { return lq_rows(a, ph) - lq_pool(a, ph) * lq_rpc(ph); }
 // Where block b's rows of phase ph start. Where q, k and v rows differ in size (Q4_K_M: v is Q6_K) the blocks take
 // even shares of the q|k|v bytes, not of the rows: by rows, the blocks owning v rows streamed 46 % more bytes and
-// ended q/k/v ~2.4 us after the others, in every layer, with the attention waiting for them. NTX_LQ_Q6W: a Q6_K byte
-// counts as that many hundredths of another type's (its arithmetic costs more): 100 here, 130 in layer_q8_ks.cu's build.
+// ended q/k/v ~2.4 us after the others, in every layer, with the attention waiting for them. NTX_LQ_Q6W: a Q6_K
+// byte counts as that many hundredths of another type's (its arithmetic costs more): 100 here, 130 in layer_q8_ks.cu.
 #ifndef NTX_LQ_Q6W
 #define NTX_LQ_Q6W 100
 #endif
@@ -855,12 +855,13 @@ __device__ __noinline__ float2 lq_dot_q6_k(int oa, int ob, int units, int pt, in
 __device__ __forceinline__ float2 lq_row_dot(int oa, int ob, bool two, int units, int pt, int wpr, int type) {
     if (NTX_LQ_PROBE == 1 || NTX_LQ_PROBE == 7) return make_float2(0.f, 0.f);
     if (type == LQ_Q4_K) return two ? lq_dot_q4_k<2>(oa, ob, units, pt, wpr) : lq_dot_q4_k<1>(oa, ob, units, pt, wpr);
-    if (!NTX_LQ_Q8 || type == LQ_Q6_K) return two ? lq_dot_q6_k<2>(oa, ob, units, pt, wpr) : lq_dot_q6_k<1>(oa, ob, units, pt, wpr);
+    if (!NTX_LQ_Q8 || type == LQ_Q6_K)
+        return two ? lq_dot_q6_k<2>(oa, ob, units, pt, wpr) : lq_dot_q6_k<1>(oa, ob, units, pt, wpr);
     return two ? lq_dot_q8_0<2>(oa, ob, units, pt, wpr) : lq_dot_q8_0<1>(oa, ob, units, pt, wpr);
 }
 
 #ifndef NTX_LQ_CU
-#define NTX_LQ_CU 0  // layer_q8_ks.cu: 1 (Q8_0's gate/up and down chunks take these loops: 389.7 unrolled against 378.3)
+#define NTX_LQ_CU 0  // layer_q8_ks.cu: 1 (Q8_0's gate/up and down chunks take these loops: 389.7 unrolled, 378.3 not)
 #endif
 
 // A phase's chunks against the activations in aq / ad, chunk by chunk from the ring, until each group

@@ -87,9 +87,9 @@ def layer_chunks(cfg: ModelConfig, sm_count: int, types: tuple | None = None) ->
     """Ring chunks of one layer a block at most (the producer's list, lq_step). q|k|v: a block's share of the bytes
     (lq_r0, a Q6_K byte weighted as either build does; of the rows where q, k and v rows have one size) in rows of the
     smallest, in chunks of the fewest rows, + 1 at each matrix boundary; o, gate/up, down: a block's rows in chunks,
-    + 1; down, where its rows can go as K slices (ks_shape, of any type: a tuning build, NTX_CUDA_DEFINES=-DNTX_LQ_KS=N, may name Q8_0 or Q4_K rows too):
-    a block's row groups in pairs, a chunk a slice of each, if that is more. types: the 7 matrices' (LAYER_FIELDS),
-    Q8_0 if None."""
+    + 1; down, where its rows can go as K slices (ks_shape, of any type: a tuning build, NTX_CUDA_DEFINES=-DNTX_LQ_KS=N,
+    may name Q8_0 or Q4_K rows too): a block's row groups in pairs, a chunk a slice of each, if that is more. types:
+    the 7 matrices' (LAYER_FIELDS), Q8_0 if None."""
     d, f, kvd = cfg.n_embd, cfg.n_ff, cfg.n_head_kv * cfg.head_dim
     types = types or (GGMLType.Q8_0,) * 7
     rbs = [tensor_nbytes(t, d) for t in types[:3]]
@@ -172,8 +172,9 @@ class StackDecode:
         self.kernel = f"layer_q8_hd{cfg.head_dim}"
         self.smem = stack_smem(cfg.head_dim, self.group)
         # the build with the K-slice down rows where they apply (the other build runs a Q8_0 model 3 % faster)
-        self.source = KS_SOURCE if ks_fits(cfg, tuple(getattr(layers[0], n).ggml_type for n in LAYER_FIELDS[:7])) else SOURCE
-        self.types = sum(TYPE_CODES[getattr(layers[0], n).ggml_type] << (4 * i) for i, n in enumerate(LAYER_FIELDS[:7]))
+        types = tuple(getattr(layers[0], n).ggml_type for n in LAYER_FIELDS[:7])
+        self.source = KS_SOURCE if ks_fits(cfg, types) else SOURCE
+        self.types = sum(TYPE_CODES[t] << (4 * i) for i, t in enumerate(types))
         table = np.array([[getattr(lw, n).data.ptr if n.startswith("w") else getattr(lw, n).ptr for n in LAYER_FIELDS]
                           + [b.k_cache[i].ptr, b.v_cache[i].ptr] for i, lw in enumerate(layers)], np.uint64)
         self.table = upload(b.pool, table, b.stream)

@@ -107,7 +107,7 @@ def test_the_host_mirrors_the_kernels_constants():
     assert re.findall(r"(unsigned(?: short| char)?) \w+", chunk) == ["unsigned", "unsigned short", "unsigned char"]
     assert cl.CHUNK_BYTES == 8
     assert all(f"LQ_KERNEL({hd})" in src for hd in cl.HEAD_DIMS)
-    ks = (KERNEL_DIR / cl.KS_SOURCE).read_text()  # the K-quant build's q|k|v shares weigh a Q6_K byte as layer_chunks does
+    ks = (KERNEL_DIR / cl.KS_SOURCE).read_text()  # its q|k|v shares weigh a Q6_K byte as layer_chunks does
     assert int(re.search(r"^#define NTX_LQ_Q6W (\d+)", ks, re.M).group(1)) == cl.Q6W_KS
     assert int(re.search(r"^#define NTX_LQ_Q6W (\d+)", src, re.M).group(1)) == 100
 
