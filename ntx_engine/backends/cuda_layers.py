@@ -83,22 +83,29 @@ def ks_fits(cfg: ModelConfig, types: tuple) -> bool:
     return types[6] == GGMLType.Q6_K and GGMLType.Q8_0 not in types and ks_shape(cfg, types[6])
 
 
-def layer_chunks(cfg: ModelConfig, sm_count: int, types: tuple | None = None) -> int:
-    """Ring chunks of one layer a block at most (the producer's list, lq_step). q|k|v: a block's share of the bytes
-    (lq_r0, a Q6_K byte weighted as either build does; of the rows where q, k and v rows have one size) in rows of the
-    smallest, in chunks of the fewest rows, + 1 at each matrix boundary; o, gate/up, down: a block's rows in chunks,
-    + 1; down, where its rows can go as K slices (ks_shape, of any type: a tuning build, NTX_CUDA_DEFINES=-DNTX_LQ_KS=N,
-    may name Q8_0 or Q4_K rows too): a block's row groups in pairs, a chunk a slice of each, if that is more. types:
-    the 7 matrices' (LAYER_FIELDS), Q8_0 if None."""
-    d, f, kvd = cfg.n_embd, cfg.n_ff, cfg.n_head_kv * cfg.head_dim
-    types = types or (GGMLType.Q8_0,) * 7
+def qkv_rows(cfg: ModelConfig, sm_count: int, types: tuple) -> int:
+    """The q|k|v rows a block owns at most (lq_r0's shares of the rows' cost, a Q6_K byte weighted as either build
+    does: NTX_LQ_Q6W), in rows of the cheapest. types: q's, k's and v's (the first 3 of LAYER_FIELDS)."""
+    d, kvd = cfg.n_embd, cfg.n_head_kv * cfg.head_dim
     rbs = [tensor_nbytes(t, d) for t in types[:3]]
     rows = 0
-    for w in (100, Q6W_KS):  # the shares' Q6_K byte weight (NTX_LQ_Q6W) in either build
+    for w in (100, Q6W_KS):
         cost = [rb * (w if t == GGMLType.Q6_K else 100) for rb, t in zip(rbs, types)]
         share = -(-(d * cost[0] + kvd * (cost[1] + cost[2])) // sm_count)
         rows = max(rows, min(d + 2 * kvd, share // min(cost) + 1))
-    total = -(-rows // min(chunk_rows(rb, False) for rb in rbs)) + 3
+    return rows
+
+
+def layer_chunks(cfg: ModelConfig, sm_count: int, types: tuple | None = None) -> int:
+    """Ring chunks of one layer a block at most (the producer's list, lq_step). q|k|v: a block's rows (qkv_rows) in
+    chunks of the fewest rows, + 1 at each matrix boundary; o, gate/up, down: a block's rows in chunks,
+    + 1; down, where its rows can go as K slices (ks_shape, of any type: a tuning build, NTX_CUDA_DEFINES=-DNTX_LQ_KS=N,
+    may name Q8_0 or Q4_K rows too): a block's row groups in pairs, a chunk a slice of each, if that is more. types:
+    the 7 matrices' (LAYER_FIELDS), Q8_0 if None."""
+    d, f = cfg.n_embd, cfg.n_ff
+    types = types or (GGMLType.Q8_0,) * 7
+    rbs = [tensor_nbytes(t, d) for t in types[:3]]
+    total = -(-qkv_rows(cfg, sm_count, types) // min(chunk_rows(rb, False) for rb in rbs)) + 3
     for rows, k, t, pair in ((d, d, types[3], False), (f, d, types[4], True), (d, f, types[6], False)):
         total += -(-min(rows, -(-rows // sm_count)) // chunk_rows(tensor_nbytes(t, k), pair)) + 1
     if ks_shape(cfg, types[6]):  # down as K slices (NTX_LQ_KS): the slices of row groups in pairs

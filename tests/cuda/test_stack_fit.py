@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ntx_engine.backends.cuda_layers import ks_fits, stack_smem, stack_unfit
-from ntx_engine.quants import GGMLType
+from ntx_engine.backends.cuda_layers import Q6W_KS, ks_fits, qkv_rows, stack_smem, stack_unfit
+from ntx_engine.quants import GGMLType, tensor_nbytes
 
 H200 = dict(cc=(9, 0), sm_count=132, smem_optin=232448)  # cuDeviceGetAttribute on the lent H200
 
@@ -51,6 +51,28 @@ def test_the_k_quant_build_takes_q6_k_down_rows_in_k_quant_layers_only():
     assert not ks_fits(_cfg(), types(w_down=GGMLType.Q4_K))  # (Q6_K down rows only)
     assert not ks_fits(_cfg(), tuple(GGMLType.Q8_0 for _ in NAMES))
     assert not ks_fits(_cfg(n_ff=14080), types())  # 55 Q6_K blocks a row: not whole 2048-value slices
+
+
+def _kernel_qkv_starts(cfg, types, blocks, w):
+    """lq_r0 of layer_q8.cu for phase 0 where q, k and v rows differ in size: block b's first q|k|v row, the rows'
+    costs their bytes times 100 (a Q6_K row's times w, NTX_LQ_Q6W)."""
+    d, kvd = cfg.n_embd, cfg.n_head_kv * cfg.head_dim
+    cq, ck, cv = (tensor_nbytes(t, d) * (w if t == GGMLType.Q6_K else 100) for t in types[:3])
+    starts = []
+    for b in range(blocks):
+        at = b * (d * cq + kvd * ck + kvd * cv) // blocks
+        starts.append(at // cq if at < d * cq else d + (at - d * cq) // ck if at < d * cq + kvd * ck
+                      else d + kvd + (at - d * cq - kvd * ck) // cv)
+    return starts + [d + 2 * kvd]
+
+
+@pytest.mark.parametrize("w", [100, Q6W_KS])
+def test_qkv_rows_bounds_the_kernels_shares_under_either_builds_weight(w):
+    """layer_chunks sizes the producers' lists from qkv_rows: no block's q|k|v share (the kernel's lq_r0) exceeds it."""
+    types = tuple(Q4_K_M.get(n, GGMLType.Q4_K) for n in NAMES)
+    for blocks in (1, 2, 7, 8, 66, 132, 199):
+        s = _kernel_qkv_starts(_cfg(), types, blocks, w)
+        assert max(b - a for a, b in zip(s, s[1:])) <= qkv_rows(_cfg(), blocks, types), blocks
 
 
 @pytest.mark.parametrize("change,why", [
