@@ -69,10 +69,13 @@ MOE_SHAPES = {
 }
 
 T = GGMLType
-# mix: (default matrix type, {tensor-name suffix: type}); "q4_k_m" as llama.cpp makes it for
-# Llama-3 (Q6_K for attn_v, ffn_down and output; Q4_K elsewhere, embeddings included)
+# mix: (default matrix type, {tensor-name suffix: type}). "q4_k_m": Q6_K for attn_v, ffn_down and output in every
+# layer, Q4_K elsewhere (embeddings included) — the file the benchmarks and FACTS.md's llama.cpp numbers use since
+# session 1. llama.cpp's own Q4_K_M gives attn_v and ffn_down Q6_K in half the layers only (MORE_BITS):
+# "q4_k_m_lcpp" is that file.
 MIXES = {
     "q4_k_m": (T.Q4_K, {"attn_v": T.Q6_K, "ffn_down": T.Q6_K, "output": T.Q6_K}),
+    "q4_k_m_lcpp": (T.Q4_K, {"output": T.Q6_K}),
     "q8_0": (T.Q8_0, {}),
     "q4_k": (T.Q4_K, {"output": T.Q6_K}),
     "q6_k": (T.Q6_K, {}),
@@ -81,6 +84,25 @@ MIXES = {
     "q4_0": (T.Q4_0, {}),
     "q5_k_m": (T.Q5_K, {"attn_v": T.Q6_K, "ffn_down": T.Q6_K, "output": T.Q6_K}),
 }
+
+# mix: {tensor-name suffix: type} in the layers llama.cpp's quantizer gives more bits (llama_tensor_get_type's
+# use_more_bits for Q4_K_M / Q5_K_M: the first and last eighth of the layers and every third between)
+MORE_BITS = {"q4_k_m_lcpp": {"attn_v": T.Q6_K, "ffn_down": T.Q6_K}}
+
+
+def more_bits(i: int, n: int) -> bool:
+    """Whether llama.cpp's K-quant mixes give layer i of n their higher-bit types."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def layer_type(mix: str, kind: str, layer: int, n_layers: int) -> GGMLType:
+    """The type of a layer tensor (kind: its name's suffix, e.g. "attn_v") in a mix."""
+    default, special = MIXES[mix]
+    more = MORE_BITS.get(mix, {})
+    if kind in more and more_bits(layer, n_layers):
+        return more[kind]
+    return special.get(kind, default)
+
 
 # Largest |q * sub-scale| per type; d is drawn so d * that is about 0.06.
 _QMAX = {T.Q4_0: 8, T.Q4_1: 15, T.Q5_0: 16, T.Q5_1: 31, T.Q8_0: 127, T.Q2_K: 45, T.Q3_K: 128,
@@ -118,20 +140,20 @@ def tensor_plan(shape: str, n_layers: int | None, mix: str) -> tuple[tuple, list
     layers, e, ff, nh, nkv, vocab, base, ctx = SHAPES[shape]
     layers = n_layers or layers
     hd = e // nh
-    default, special = MIXES[mix]
 
-    def typed(name: str, kind: str, shp: tuple[int, ...]):
-        return (name, special.get(kind, default), shp)
+    def typed(name: str, kind: str, shp: tuple[int, ...], i: int = -1):
+        return (name, layer_type(mix, kind, i, layers), shp)
 
     plan = [typed("token_embd.weight", "token_embd", (vocab, e)), ("output_norm.weight", T.F32, (e,)),
             typed("output.weight", "output", (vocab, e))]
     for i in range(layers):
         p = f"blk.{i}."
-        plan += [(p + "attn_norm.weight", T.F32, (e,)), typed(p + "attn_q.weight", "attn_q", (nh * hd, e)),
-                 typed(p + "attn_k.weight", "attn_k", (nkv * hd, e)), typed(p + "attn_v.weight", "attn_v", (nkv * hd, e)),
-                 typed(p + "attn_output.weight", "attn_output", (e, nh * hd)), (p + "ffn_norm.weight", T.F32, (e,)),
-                 typed(p + "ffn_gate.weight", "ffn_gate", (ff, e)), typed(p + "ffn_up.weight", "ffn_up", (ff, e)),
-                 typed(p + "ffn_down.weight", "ffn_down", (e, ff))]
+        plan += [(p + "attn_norm.weight", T.F32, (e,)), typed(p + "attn_q.weight", "attn_q", (nh * hd, e), i),
+                 typed(p + "attn_k.weight", "attn_k", (nkv * hd, e), i),
+                 typed(p + "attn_v.weight", "attn_v", (nkv * hd, e), i),
+                 typed(p + "attn_output.weight", "attn_output", (e, nh * hd), i), (p + "ffn_norm.weight", T.F32, (e,)),
+                 typed(p + "ffn_gate.weight", "ffn_gate", (ff, e), i), typed(p + "ffn_up.weight", "ffn_up", (ff, e), i),
+                 typed(p + "ffn_down.weight", "ffn_down", (e, ff), i)]
     return (layers, e, ff, nh, nkv, vocab, base, ctx), plan
 
 
@@ -140,11 +162,11 @@ def moe_tensor_plan(shape: str, n_layers: int | None, mix: str) -> tuple[MoeShap
     m = MOE_SHAPES[shape]
     if n_layers:
         m = MoeShape(**{**m.__dict__, "n_layers": n_layers})
-    default, special = MIXES[mix]
     e, q_dim, kv_dim, ff, n_exp = m.n_embd, m.n_head * m.head_dim, m.n_head_kv * m.head_dim, m.n_ff_exp, m.n_expert
 
     def typed(name: str, kind: str, shp: tuple[int, ...]):
-        return (name, special.get(kind, default), shp)
+        i = int(name.split(".")[1]) if name.startswith("blk.") else -1
+        return (name, layer_type(mix, kind, i, m.n_layers), shp)
 
     plan = [typed("token_embd.weight", "token_embd", (m.vocab, e)), ("output_norm.weight", T.F32, (e,)),
             typed("output.weight", "output", (m.vocab, e))]
