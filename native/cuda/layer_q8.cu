@@ -1,5 +1,5 @@
 // The whole decode step of a model's layers in ONE persistent launch ("stack" decode): Q8_0, Q4_K and
-// Q6_K matrices, the same type mix in every layer (lq_mt).
+// Q6_K matrices, in at most LQ_KINDS type mixes, a layer's named by its descriptor (LqLayer::kind, lq_mts).
 //
 // The one-kernel-per-op step (fused.cu, attn_grid.cu, matvec_fast.cu) pays, at every op, a
 // launch, a ramp-up and a drain, and its latency-bound ops (the norms, the attention) leave HBM
@@ -147,7 +147,11 @@ struct LqLayer {  // cuda_layers.LAYER_FIELDS, in this order
     const uint8_t *wq, *wk, *wv, *wo, *wg, *wu, *wd;
     const float *attn_norm, *ffn_norm;
     uint16_t *kc, *vc;
+    unsigned long long kind;  // the layer's type mix: lq_mts[kind] (a.types, a.types1)
 };
+// Type mixes a launch takes: llama.cpp's Q4_K_M gives attn_v and ffn_down Q6_K in half the layers and Q4_K in the
+// others (its use_more_bits), so a real Q4_K_M file has two.
+#define LQ_KINDS 2
 
 struct LqArgs {
     const LqLayer* layers;
@@ -165,16 +169,16 @@ struct LqArgs {
     int neox;
     int D, F, n_head, n_kv, chunks;
     float eps, scale;
-    unsigned types;  // nibble m: matrix m's weight type (LqLayer's order; LQ_Q8_0, LQ_Q4_K, LQ_Q6_K), every layer alike
+    unsigned types, types1;  // nibble m: matrix m's weight type (LqLayer's order; LQ_Q8_0, LQ_Q4_K, LQ_Q6_K) in kind 0, 1
     unsigned long long* trace;
-    unsigned long long* lists;  // [blocks][LQ_CMAX + 1] the producers' chunk lists, made by the first launch (lq_step)
+    unsigned long long* lists;  // [blocks][LQ_KINDS][LQ_CMAX + 1] the producers' chunk lists, made by the first launch (lq_step)
 };
 
 #define LQ_PARAMS                                                                                                 \
     const LqLayer *layers, int n_layers, const float *x0, float *xa, float *xb, float *qkv, float *hid,             \
         float *part, int8_t *hq, float *hqd, unsigned *ctr, const int *pos, const float *rope_ff, int rope_dim, float rope_scale,           \
         float freq_scale, int neox, int D, int F, int n_head, int n_kv, int chunks, float eps, float scale,     \
-        unsigned types, unsigned long long *trace, unsigned long long *lists
+        unsigned types, unsigned types1, unsigned long long *trace, unsigned long long *lists
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
@@ -304,7 +308,7 @@ __device__ __forceinline__ int lq_rows(const LqArgs& a, int ph) {
     return ph == 0 ? a.D + 2 * kvd : ph == 2 ? a.F : a.D;
 }
 // The weight types a matrix may have (cuda_layers.TYPE_CODES), and what the ring and the consumers need of
-// each matrix (lq_mt, filled once by lq_mat_init): its row bytes, 32-value units a row, type, rows a chunk and
+// each matrix of a type mix (lq_mts[kind], filled once by lq_mat_init): its row bytes, 32-value units a row, type, rows a chunk and
 // log2 of the warps a row (gate: its chunk holds as many up rows, up has gate's type).
 #define LQ_Q8_0 0
 #define LQ_Q4_K 1  // 144-byte blocks of 256 values: d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
@@ -320,7 +324,8 @@ struct LqMat {
 #ifndef NTX_LQ_Q8
 #define NTX_LQ_Q8 1
 #endif
-__shared__ LqMat lq_mt[NTX_LQ_KS ? 8 : 7];  // [7]: the down rows' K slices (NTX_LQ_KS; rpc 0: off)
+// [kind][m]: [7] the down rows' K slices (NTX_LQ_KS; rpc 0: off). The functions below take a kind's row (mt).
+__shared__ LqMat lq_mts[LQ_KINDS][NTX_LQ_KS ? 8 : 7];
 
 // NTX_LQ_KS (bit t: weight type t; 4, Q6_K, in layer_q8_ks.cu's build, 0 in this file's): the down rows go through the ring as K slices (LQ_KSV values of
 // LQ_KSR rows a chunk: 16 Q6_K rows' 1680 bytes) instead of whole rows. A consumer group takes every slice of its 16
@@ -346,10 +351,12 @@ __device__ int lq_fit_rows(int rb, int per) {
     while (2 * p <= r) p *= 2;
     return p;
 }
-// lq_mt from a.types (thread 0, before the block's first barrier).
-__device__ void lq_mat_init(const LqArgs& a) {
+// lq_mts[kind] from its types word (thread 0, before the block's first barrier).
+__device__ void lq_mat_init(const LqArgs& a, int kind) {
+    LqMat* mt = lq_mts[kind];
+    const unsigned types = kind ? a.types1 : a.types;
     for (int m = 0; m < 7; ++m) {
-        const int k = m == 6 ? a.F : a.D, type = (int)(a.types >> (4 * m)) & 15, per = m == 4 ? 2 : 1;
+        const int k = m == 6 ? a.F : a.D, type = (int)(types >> (4 * m)) & 15, per = m == 4 ? 2 : 1;
         if (!NTX_LQ_Q8 && type == LQ_Q8_0) __trap();  // a Q8_0 matrix in the K-quant build: fail, not garbage
         const int rb = type == LQ_Q4_K ? k / 256 * 144 : type == LQ_Q6_K ? k / 256 * 210 : k / 32 * LQ_BQ;
         const int rpc = lq_fit_rows(rb, per);
@@ -357,27 +364,29 @@ __device__ void lq_mat_init(const LqArgs& a) {
         const int pair = per == 2 || rpc > LQ_GW, items = per == 2 ? rpc : pair ? (rpc + 1) / 2 : rpc;
         int lw = 0;
         while ((2 << lw) * items <= LQ_GW) ++lw;
-        lq_mt[m] = {rb, k / 32, type, rpc, pair, lw};
+        mt[m] = {rb, k / 32, type, rpc, pair, lw};
     }
 #if NTX_LQ_KS
-    const int t6 = lq_mt[6].type, sb = a.F >= LQ_KSV ? lq_mt[6].rb / (a.F / LQ_KSV) : 0;
+    const int t6 = mt[6].type, sb = a.F >= LQ_KSV ? mt[6].rb / (a.F / LQ_KSV) : 0;
     const bool ks = ((NTX_LQ_KS >> t6) & 1) && sb > 0 && a.F % LQ_KSV == 0 && a.D % LQ_KSR == 0 && LQ_KSR * sb <= LQ_SLOT - 16;
-    lq_mt[LQ_KSMAT] = {sb, LQ_KSV / 32, t6, ks ? LQ_KSR : 0, 1, 0};
+    mt[LQ_KSMAT] = {sb, LQ_KSV / 32, t6, ks ? LQ_KSR : 0, 1, 0};
 #endif
 }
-__device__ __forceinline__ bool lq_ks() { return NTX_LQ_KS && lq_mt[LQ_KSMAT].rpc != 0; }
+__device__ __forceinline__ bool lq_ks(const LqMat* mt) { return NTX_LQ_KS && mt[LQ_KSMAT].rpc != 0; }
 // Rows a chunk of phase ph (of q|k|v: of q's).
-__device__ __forceinline__ int lq_rpc(int ph) { return lq_mt[lq_ph_mat(ph)].rpc; }
+__device__ __forceinline__ int lq_rpc(const LqMat* mt, int ph) { return mt[lq_ph_mat(ph)].rpc; }
 // Chunks of a phase in its pool (its last rows), and the rows before them, which the blocks own in even shares.
-__device__ __forceinline__ int lq_pool(const LqArgs& a, int ph) {
+__device__ __forceinline__ int lq_pool(const LqArgs& a, const LqMat* mt, int ph) {
     // (a q|k|v pool only where q, k and v have one type: its chunks may cross a matrix boundary)
-    if (ph == 0 && (lq_mt[1].type != lq_mt[0].type || lq_mt[2].type != lq_mt[0].type)) return 0;
+    if (ph == 0 && (mt[1].type != mt[0].type || mt[2].type != mt[0].type)) return 0;
 #if NTX_LQ_KS
-    if (ph == 3 && lq_ks()) return 0;
+    if (ph == 3 && lq_ks(mt)) return 0;
 #endif
-    return (NTX_LQ_POOLPH >> ph) & 1 ? lq_rows(a, ph) * NTX_LQ_POOL / 100 / lq_rpc(ph) : 0;
+    return (NTX_LQ_POOLPH >> ph) & 1 ? lq_rows(a, ph) * NTX_LQ_POOL / 100 / lq_rpc(mt, ph) : 0;
 }
-__device__ __forceinline__ int lq_owned(const LqArgs& a, int ph) { return lq_rows(a, ph) - lq_pool(a, ph) * lq_rpc(ph); }
+__device__ __forceinline__ int lq_owned(const LqArgs& a, const LqMat* mt, int ph) {
+    return lq_rows(a, ph) - lq_pool(a, mt, ph) * lq_rpc(mt, ph);
+}
 // Where block b's rows of phase ph start. Where q, k and v rows differ in size (Q4_K_M: v is Q6_K) the blocks take
 // even shares of the q|k|v bytes, not of the rows: by rows, the blocks owning v rows streamed 46 % more bytes and
 // ended q/k/v ~2.4 us after the others, in every layer, with the attention waiting for them. NTX_LQ_Q6W: a Q6_K
@@ -385,17 +394,17 @@ __device__ __forceinline__ int lq_owned(const LqArgs& a, int ph) { return lq_row
 #ifndef NTX_LQ_Q6W
 #define NTX_LQ_Q6W 100
 #endif
-__device__ __forceinline__ long long lq_row_cost(int m) { return (long long)lq_mt[m].rb * (lq_mt[m].type == LQ_Q6_K ? NTX_LQ_Q6W : 100); }
-__device__ __forceinline__ int lq_r0(const LqArgs& a, int ph, int b) {
-    if (ph == 0 && (lq_mt[1].rb != lq_mt[0].rb || lq_mt[2].rb != lq_mt[0].rb)) {
-        const long long kvd = lq_kvd(a), cq = lq_row_cost(0), ck = lq_row_cost(1), cv = lq_row_cost(2);
+__device__ __forceinline__ long long lq_row_cost(const LqMat& m) { return (long long)m.rb * (m.type == LQ_Q6_K ? NTX_LQ_Q6W : 100); }
+__device__ __forceinline__ int lq_r0(const LqArgs& a, const LqMat* mt, int ph, int b) {
+    if (ph == 0 && (mt[1].rb != mt[0].rb || mt[2].rb != mt[0].rb)) {
+        const long long kvd = lq_kvd(a), cq = lq_row_cost(mt[0]), ck = lq_row_cost(mt[1]), cv = lq_row_cost(mt[2]);
         const long long bq = a.D * cq, bk = kvd * ck, at = (long long)b * (bq + bk + kvd * cv) / gridDim.x;  // the share's start
         return at < bq ? (int)(at / cq) : at < bq + bk ? a.D + (int)((at - bq) / ck) : a.D + (int)kvd + (int)((at - bq - bk) / cv);
     }
 #if NTX_LQ_KS
-    if (ph == 3 && lq_ks()) return LQ_KSR * (int)((unsigned)b * (unsigned)(a.D / LQ_KSR) / gridDim.x);  // whole row groups
+    if (ph == 3 && lq_ks(mt)) return LQ_KSR * (int)((unsigned)b * (unsigned)(a.D / LQ_KSR) / gridDim.x);  // whole row groups
 #endif
-    return (int)((unsigned)b * (unsigned)lq_owned(a, ph) / gridDim.x);
+    return (int)((unsigned)b * (unsigned)lq_owned(a, mt, ph) / gridDim.x);
 }
 // Where the matrix holding row `row` of phase ph ends (q, k and v are three matrices).
 __device__ __forceinline__ int lq_mat_end(const LqArgs& a, int ph, int row) {
@@ -415,9 +424,9 @@ __device__ __forceinline__ int lq_row_mat(const LqArgs& a, int ph, int row) {
 }
 // Rows of the chunk that starts at row `row` of a block's phase rows ending at r1 (it crosses into the next
 // matrix only where that has the same type).
-__device__ __forceinline__ int lq_chunk_rows(const LqArgs& a, int ph, int row, int r1) {
-    const int m = lq_row_mat(a, ph, row), n = min(lq_mt[m].rpc, r1 - row);
-    const bool cross = NTX_LQ_XMAT && m < 2 && lq_mt[m + 1].type == lq_mt[m].type;
+__device__ __forceinline__ int lq_chunk_rows(const LqArgs& a, const LqMat* mt, int ph, int row, int r1) {
+    const int m = lq_row_mat(a, ph, row), n = min(mt[m].rpc, r1 - row);
+    const bool cross = NTX_LQ_XMAT && m < 2 && mt[m + 1].type == mt[m].type;
     return cross ? n : min(n, lq_mat_end(a, ph, row) - row);
 }
 // A ring chunk of a layer: rows row .. row + n0 + n1 - 1 of its phase (q|k|v: of the three matrices' rows in
@@ -437,45 +446,48 @@ __device__ __forceinline__ LqChunk lq_chunk(const LqArgs& a, int ph, int row, in
     return {(unsigned)row, (unsigned short)n0, (unsigned char)mat, (unsigned char)(n - n0)};
 }
 
-// The block's chunks in consumption order (layer, phase, rows), one slot each: the producer lists one
-// layer's (every layer has the same) once, before it starts.
+// The block's chunks in consumption order (layer, phase, rows), one slot each, in layers of type mix mt: the producer
+// lists one layer's (every layer of a kind has the same) once, before it starts.
 struct LqFill {
+    const LqMat* mt;
     int layer, ph, row, r1;
 
     __device__ void skip_empty(const LqArgs& a) {
         while (layer < a.n_layers && row >= r1) {
             if (++ph == 4) { ph = 0; ++layer; }
-            row = lq_r0(a, ph, blockIdx.x);
-            r1 = lq_r0(a, ph, blockIdx.x + 1);
+            row = lq_r0(a, mt, ph, blockIdx.x);
+            r1 = lq_r0(a, mt, ph, blockIdx.x + 1);
         }
     }
-    __device__ void start(const LqArgs& a) {
+    __device__ void start(const LqArgs& a, const LqMat* kind_mt) {
+        mt = kind_mt;
         layer = 0; ph = 0;
-        row = lq_r0(a, 0, blockIdx.x);
-        r1 = lq_r0(a, 0, blockIdx.x + 1);
+        row = lq_r0(a, mt, 0, blockIdx.x);
+        r1 = lq_r0(a, mt, 0, blockIdx.x + 1);
         skip_empty(a);
     }
     // The chunk at the fill point (rows row.. of phase ph), and the fill point past it.
     __device__ LqChunk next(const LqArgs& a) {
-        const LqChunk e = lq_chunk(a, ph, row, lq_chunk_rows(a, ph, row, r1));
+        const LqChunk e = lq_chunk(a, ph, row, lq_chunk_rows(a, mt, ph, row, r1));
         row += e.n0 + e.n1;
         skip_empty(a);
         return e;
     }
 };
 
-// The block's chunks of one layer in consumption order (the producer's list, LqFill; the first launch only).
+// The block's chunks of one layer of type mix mt in consumption order (the producer's list, LqFill; the first launch
+// only).
 // NTX_LQ_KS: the down rows' K slices, the block's row groups two at a time with their slices interleaved (ring chunk
 // i goes to consumer group i % 2, so each group takes every slice of one row group); an odd last group's slices
 // alternate with empty chunks. (A function of its own, out of the code the layers run; the build without K slices
 // lists the chunks in line, as the whole-row list alone compiles to other code when called.)
 #if NTX_LQ_KS
-__device__ __noinline__ int lq_list(const LqArgs& a, LqChunk* chunks) {
+__device__ __noinline__ int lq_list(const LqArgs& a, const LqMat* mt, LqChunk* chunks) {
     LqFill f;
-    f.start(a);
+    f.start(a, mt);
     int nc = 0;
     while (f.layer == 0 && nc < LQ_CMAX) {
-        if (lq_ks() && f.ph == 3) {
+        if (lq_ks(mt) && f.ph == 3) {
             const int nk = a.F / LQ_KSV;
             if (nc + 2 * nk * ((f.r1 - f.row + 2 * LQ_KSR - 1) / (2 * LQ_KSR)) > LQ_CMAX) __trap();
             for (int g = f.row; g < f.r1; g += 2 * LQ_KSR)
@@ -514,13 +526,13 @@ __device__ __forceinline__ int lq_chunk_ph(unsigned w1) {
 }
 
 // Issue the chunk whose LqChunk words are row, w1 (row: of the phase) for the layer whose LqLayer sits at shared address lyr
-// into slot: no divisions, shared-memory loads only. pol: the copies' L2 policy; pl: the producer warp's lane (a K-slice
-// chunk's row r from lane r, any other chunk from lane 0).
-__device__ __forceinline__ void lq_issue(unsigned row, unsigned w1, unsigned lyr, int D, int kvd,
+// into slot: no divisions, shared-memory loads only. mt: the layer's type mix; pol: the copies' L2 policy; pl: the
+// producer warp's lane (a K-slice chunk's row r from lane r, any other chunk from lane 0).
+__device__ __forceinline__ void lq_issue(unsigned row, unsigned w1, unsigned lyr, const LqMat* mt, int D, int kvd,
                                          uint8_t* slot, uint64_t* bar, unsigned long long pol, int pl) {
     const int n0 = (int)(w1 & 0xffffu), mat = (int)((w1 >> 16) & 0xffu), n1 = (int)(w1 >> 24);
     if (NTX_LQ_KS && mat == LQ_KSMAT) {  // slice n1 of down rows row .. row + n0 - 1: a copy a row, from lane r
-        const int rb = lq_mt[6].rb, sb = lq_mt[LQ_KSMAT].rb;
+        const int rb = mt[6].rb, sb = mt[LQ_KSMAT].rb;
         if (NTX_LQ_PROBE == 3 || NTX_LQ_PROBE == 7) {
             if (pl == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(bar)) : "memory");
             return;
@@ -532,7 +544,7 @@ __device__ __forceinline__ void lq_issue(unsigned row, unsigned w1, unsigned lyr
     }
     if (pl != 0) return;
     row -= mat == 1 ? D : mat == 2 ? D + kvd : 0;  // the row in its matrix
-    const int rb = lq_mt[mat].rb;  // (a chunk crossing into the next matrix: the same type)
+    const int rb = mt[mat].rb;  // (a chunk crossing into the next matrix: the same type)
     const unsigned bytes = (unsigned)((n0 + n1) * rb);
     if (NTX_LQ_PROBE == 3 || NTX_LQ_PROBE == 7) {
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(bar)) : "memory");
@@ -551,7 +563,7 @@ extern __shared__ __align__(128) uint8_t lq_dyn[];
 
 struct LqShared {
     LqLayer* layers;  // the layer descriptors
-    LqChunk* chunks;  // [LQ_CMAX] the block's chunks of a layer (the producer's list)
+    LqChunk* chunks;  // [LQ_KINDS][LQ_CMAX] the block's chunks of a layer of each kind (the producer's lists)
     uint8_t* ring;
     uint64_t* full;   // a slot's bulk copies landed
     uint64_t* empty;  // a slot was read
@@ -864,7 +876,7 @@ __device__ __forceinline__ float2 lq_row_dot(int oa, int ob, bool two, int units
 #define NTX_LQ_CU 0  // layer_q8_ks.cu: 1 (Q8_0's gate/up and down chunks take these loops: 389.7 unrolled, 378.3 not)
 #endif
 
-// A phase's chunks against the activations in aq / ad, chunk by chunk from the ring, until each group
+// A phase's chunks (of a layer of type mix mt) against the activations in aq / ad, chunk by chunk from the ring, until each group
 // reads its end of the phase: the block's own rows, then the pool's chunks its producer claimed (NTX_LQ_POOL).
 // Chunk i is read by warp group i % LQ_GROUPS alone (LQ_GW warps): each warp waits for the slot, reads which
 // rows it holds (s.desc), computes its part of them and releases the slot itself (the "empty" mbarrier
@@ -875,7 +887,7 @@ __device__ __forceinline__ float2 lq_row_dot(int oa, int ob, bool two, int units
 // res[row]) gets each output row. it: the ring's running
 // chunk count (slot it % NTX_LQ_SLOTS, parity (it / NTX_LQ_SLOTS) & 1), past the phase's ends on return.
 template <class Out>
-__device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& it, const float* res, Out out) {
+__device__ void lq_phase(const LqArgs& a, const LqMat* mt, int ph, const LqShared& s, unsigned& it, const float* res, Out out) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp / LQ_GW, wi = warp % LQ_GW;
     const int per = ph == 2 ? 2 : 1;
     unsigned i = it + (unsigned)((grp - (int)(it % LQ_GROUPS) + LQ_GROUPS) % LQ_GROUPS);  // the group's first chunk
@@ -891,7 +903,7 @@ __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& i
             // groups): this warp's rows row + wi and row + wi + 8, their sums kept from slice to slice
             const int k = (int)(w1 >> 24), nk = a.F / LQ_KSV;
             if ((w1 & 0xffffu) != 0) {
-                const LqMat& m = lq_mt[LQ_KSMAT];
+                const LqMat& m = mt[LQ_KSMAT];
                 float* rv = s.resv + 2 * warp;
                 if (k == 0) {
                     acc = make_float2(0.f, 0.f);
@@ -930,7 +942,7 @@ __device__ void lq_phase(const LqArgs& a, int ph, const LqShared& s, unsigned& i
             continue;
         }
         const int n = (int)(w1 & 0xffffu) + (int)(w1 >> 24);
-        const LqMat m = lq_mt[(w1 >> 16) & 0xffu];  // (a chunk crossing into the next matrix: the same type)
+        const LqMat m = mt[(w1 >> 16) & 0xffu];  // (a chunk crossing into the next matrix: the same type)
         // the chunk's items: row pairs (gate/up: gate row p with up row p; else, where a chunk has more rows than
         // a group warps, rows p and p + np) or single rows (m.pair 0), wpr warps an item
         const int np = !m.pair ? n : per == 2 ? n : (n + 1) >> 1, wpr = 1 << m.lw, pt = wi & (wpr - 1);
@@ -1268,7 +1280,7 @@ __device__ void lq_step(const LqArgs& a) {
         s.aq = reinterpret_cast<int8_t*>(p);
         s.ad = reinterpret_cast<float*>(p + LQ_KMAX);
         // the sums only where a matrix is a K-quant (Q8_0 reads none; NTX_LQ_SUMS=1 keeps them: a probe)
-        s.as = a.types != 0 || NTX_LQ_SUMS ? reinterpret_cast<int*>(s.ad + LQ_KMAX / 32) : nullptr;
+        s.as = (a.types | a.types1) != 0 || NTX_LQ_SUMS ? reinterpret_cast<int*>(s.ad + LQ_KMAX / 32) : nullptr;
         s.sc = reinterpret_cast<float*>(p);
         p += LQ_ACT;
         s.qa = reinterpret_cast<float*>(p); p += 4 * LQ_GMAX * HD;
@@ -1284,7 +1296,7 @@ __device__ void lq_step(const LqArgs& a) {
         s.ccnt = reinterpret_cast<int*>(p); p += 4 * LQ_SLOTS * LQ_WARPS;
         s.red_l = reinterpret_cast<float*>(p); p += 4 * NPG * G;
         s.layers = reinterpret_cast<LqLayer*>(p); p += sizeof(LqLayer) * LQ_MAX_LAYERS;
-        s.chunks = reinterpret_cast<LqChunk*>(p); p += sizeof(LqChunk) * LQ_CMAX;
+        s.chunks = reinterpret_cast<LqChunk*>(p); p += sizeof(LqChunk) * LQ_CMAX * LQ_KINDS;
         s.full = reinterpret_cast<uint64_t*>(p); p += 8 * LQ_SLOTS;
         s.empty = reinterpret_cast<uint64_t*>(p); p += 8 * LQ_SLOTS;
         s.resv = reinterpret_cast<float*>(p);
@@ -1298,48 +1310,68 @@ __device__ void lq_step(const LqArgs& a) {
             asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(lq_smem(s.empty + i)), "n"(LQ_GW) : "memory");
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        lq_mat_init(a);
+        for (int k = 0; k < LQ_KINDS; ++k) lq_mat_init(a, k);
         s.flag[1] = 0;  // the phases released to the producer (NTX_LQ_HOLD): 4 layer + phase
         for (int i = 0; i < LQ_SLOTS * LQ_WARPS; ++i) s.ccnt[i] = 0;
     }
     __syncthreads();
     if (threadIdx.x == 0) LQ_PMARK(1);
     if (threadIdx.x >= LQ_THREADS) {  // the producer warp: the block's chunks in order, a slot as soon as it is read
-        // One layer's chunks (the same in every layer), issued layer after layer. Listing them takes ~20 us (the
-        // q|k|v byte shares' 64-bit divisions, ~80 chunks by one lane), so the first launch keeps the block's list
-        // in a.lists ([0]: the count, then the chunks; zero until then) and later ones copy it (the whole warp).
-        uint2* gl = reinterpret_cast<uint2*>(a.lists) + (size_t)blockIdx.x * (LQ_CMAX + 1);
-        int nc = NTX_LQ_RELIST ? 0 : (int)__ldcg(&gl->x);
-        for (int i = (int)(threadIdx.x & 31); i < nc; i += 32) reinterpret_cast<uint2*>(s.chunks)[i] = __ldcg(gl + 1 + i);
+        // One layer's chunks of each kind (the same in every layer of a kind), issued layer after layer. Listing them
+        // takes ~20 us (the q|k|v byte shares' 64-bit divisions, ~80 chunks by one lane), so the first launch keeps the
+        // block's list of each kind its layers have in a.lists ([0]: the count, then the chunks; zero until then) and
+        // later ones copy them (the whole warp).
+        unsigned used = 0;  // the kinds of the layers (bit k)
+        for (int l = 0; l < a.n_layers; ++l) {
+            if (s.layers[l].kind >= LQ_KINDS) __trap();  // (the host's table: StackDecode)
+            used |= 1u << (unsigned)s.layers[l].kind;
+        }
+        uint2* gls = reinterpret_cast<uint2*>(a.lists) + (size_t)blockIdx.x * LQ_KINDS * (LQ_CMAX + 1);
+        int ncs[LQ_KINDS];
+#pragma unroll
+        for (int k = 0; k < LQ_KINDS; ++k) {
+            const uint2* gl = gls + k * (LQ_CMAX + 1);
+            ncs[k] = NTX_LQ_RELIST ? 0 : (int)__ldcg(&gl->x);
+            for (int i = (int)(threadIdx.x & 31); i < ncs[k]; i += 32)
+                reinterpret_cast<uint2*>(s.chunks + k * LQ_CMAX)[i] = __ldcg(gl + 1 + i);
+        }
         __syncwarp();
         // the producer's loop: the whole warp where K-slice chunks' row copies go out from as many lanes (NTX_LQ_KS),
         // else its first lane alone
         const int pl = NTX_LQ_KS ? (int)(threadIdx.x & 31) : 0;
         if (NTX_LQ_KS || threadIdx.x == LQ_THREADS) {
-            if (pl == 0 && nc == 0) {
+#pragma unroll 1
+            for (int k = 0; k < LQ_KINDS; ++k) {  // (one copy of the listing code: it runs once)
+                if (pl == 0 && ncs[k] == 0 && ((used >> k) & 1u)) {
+                    LqChunk* ch = s.chunks + k * LQ_CMAX;
+                    uint2* gl = gls + k * (LQ_CMAX + 1);
+                    int nc = 0;
 #if NTX_LQ_KS
-                nc = lq_list(a, s.chunks);
+                    nc = lq_list(a, lq_mts[k], ch);
 #else
-                LqFill f;
-                f.start(a);
-                while (f.layer == 0 && nc < LQ_CMAX) s.chunks[nc++] = f.next(a);
-                if (f.layer == 0) __trap();  // more chunks than the list holds (cuda_layers.stack_unfit checks)
+                    LqFill f;
+                    f.start(a, lq_mts[k]);
+                    while (f.layer == 0 && nc < LQ_CMAX) ch[nc++] = f.next(a);
+                    if (f.layer == 0) __trap();  // more chunks than the list holds (cuda_layers.stack_unfit checks)
 #endif
-                for (int i = 0; i < nc; ++i) gl[1 + i] = reinterpret_cast<const uint2*>(s.chunks)[i];
-                __threadfence();  // the chunks before the count (a later launch only reads both after this one)
-                gl->x = (unsigned)nc;
-            }
-            if (NTX_LQ_KS) {
-                nc = __shfl_sync(0xffffffffu, nc, 0);
-                __syncwarp();
+                    for (int i = 0; i < nc; ++i) gl[1 + i] = reinterpret_cast<const uint2*>(ch)[i];
+                    __threadfence();  // the chunks before the count (a later launch only reads both after this one)
+                    gl->x = (unsigned)nc;
+                    ncs[k] = nc;
+                }
+                if (NTX_LQ_KS) {
+                    ncs[k] = __shfl_sync(0xffffffffu, ncs[k], 0);
+                    __syncwarp();
+                }
             }
             LQ_PMARK(2);
             const unsigned long long pol = lq_policy();
             const int kvd = lq_kvd(a);
-            const unsigned tab = lq_smem(s.chunks), rel = lq_smem(s.flag + 1);
+            const unsigned rel = lq_smem(s.flag + 1);
             unsigned i = 0;
             int i0 = 0;  // NTX_LQ_RTRACE: the traced layer's first chunk
             int nph = 0;  // chunks of the phase issued
+            const LqMat* mt = lq_mts[0];  // the layer's type mix
             // the next chunk (words row, w1) into the next slot once it is read; end: the end of a phase
             auto put = [&](int layer, int ph, unsigned row, unsigned w1, bool end) {
                 const int slot = i % NTX_LQ_SLOTS;
@@ -1358,7 +1390,7 @@ __device__ void lq_step(const LqArgs& a) {
                 if (end) {
                     if (pl == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(s.full + slot)) : "memory");
                 } else {
-                    lq_issue(row, w1, lq_smem(s.layers + layer), a.D, kvd, s.ring + (size_t)slot * LQ_SLOT,
+                    lq_issue(row, w1, lq_smem(s.layers + layer), mt, a.D, kvd, s.ring + (size_t)slot * LQ_SLOT,
                              s.full + slot, pol, pl);
                 }
                 if (NTX_LQ_RTRACE && pl == 0 && layer == LQ_RT_LAYER) {
@@ -1370,10 +1402,13 @@ __device__ void lq_step(const LqArgs& a) {
             for (int layer = 0; layer < a.n_layers; ++layer) {
                 if (NTX_LQ_RTRACE && layer == LQ_RT_LAYER) i0 = (int)i;
                 unsigned* pools = a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv) + LQ_POOLCTR;
+                const int kind = (int)s.layers[layer].kind, nc = ncs[kind];
+                const unsigned tab = lq_smem(s.chunks + kind * LQ_CMAX);
+                mt = lq_mts[kind];
                 int c = 0;
                 for (int ph = 0; ph < 4; ++ph) {
                     nph = 0;
-                    const int npool = lq_pool(a, ph), pool0 = lq_owned(a, ph), rpc = lq_rpc(ph);
+                    const int npool = lq_pool(a, mt, ph), pool0 = lq_owned(a, mt, ph), rpc = lq_rpc(mt, ph);
                     for (; c < nc; ++c) {  // the block's own chunks of the phase
                         unsigned row, w1;
                         asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(row), "=r"(w1) : "r"(tab + 8u * (unsigned)c) : "memory");
@@ -1406,6 +1441,7 @@ __device__ void lq_step(const LqArgs& a) {
 #define LQ_MARK(k) do { if (!NTX_LQ_ATRACE || (k) < 4) LQ_TMARK(layer, k); } while (0)
     for (int layer = 0; layer < a.n_layers; ++layer) {
         const LqLayer& L = s.layers[layer];
+        const LqMat* mt = lq_mts[L.kind];
         unsigned* ctr = a.ctr + (size_t)layer * (LQ_NCTR + a.n_kv);
         const float* xin = layer == 0 ? a.x0 : a.xb;
         if (NTX_LQ_RTRACE && threadIdx.x == 0) {  // the consumers' first chunk of the traced layer
@@ -1419,7 +1455,7 @@ __device__ void lq_step(const LqArgs& a) {
         lq_norm_row(xin, L.attn_norm, a.D, a.eps, s);
         if (layer == 0 && threadIdx.x == 0) LQ_PMARK(5);
         LQ_MARK(2);
-        lq_phase(a, 0, s, it, nullptr, [&](int r, float t, float, float) { a.qkv[r] = t; });
+        lq_phase(a, mt, 0, s, it, nullptr, [&](int r, float t, float, float) { a.qkv[r] = t; });
         LQ_MARK(3);
         if (layer == 0 && threadIdx.x == 0) LQ_PMARK(6);
         lq_signal(ctr + 0);
@@ -1441,7 +1477,7 @@ __device__ void lq_step(const LqArgs& a) {
         lq_load_act(a.hq + a.F, a.hqd + a.F / 32, a.D, s);  // the heads' outputs, quantized by their combining blocks
         LQ_MARK(6);
         LQ_AMARK(13);
-        lq_phase(a, 1, s, it, xin, [&](int r, float t, float, float rv) { a.xa[r] = __fadd_rn(rv, t); });
+        lq_phase(a, mt, 1, s, it, xin, [&](int r, float t, float, float rv) { a.xa[r] = __fadd_rn(rv, t); });
         LQ_MARK(7);
         lq_signal(ctr + 2);
         lq_wait(ctr + 2, P);
@@ -1449,14 +1485,14 @@ __device__ void lq_step(const LqArgs& a) {
         LQ_MARK(8);
         lq_norm_row(a.xa, L.ffn_norm, a.D, a.eps, s);
         LQ_MARK(9);
-        lq_phase(a, 2, s, it, nullptr, [&](int r, float g, float u, float) { a.hid[r] = ntx_swiglu(g, u); });
+        lq_phase(a, mt, 2, s, it, nullptr, [&](int r, float g, float u, float) { a.hid[r] = ntx_swiglu(g, u); });
         LQ_MARK(10);
         lq_signal(ctr + 3);
         lq_wait(ctr + 3, P);
         LQ_MARK(11);
         lq_quant_share(a.hid, a.F, a.hq, a.hqd, ctr + 5, s, 4 * layer + 3);
         LQ_MARK(12);
-        lq_phase(a, 3, s, it, a.xa, [&](int r, float t, float, float rv) { a.xb[r] = __fadd_rn(rv, t); });
+        lq_phase(a, mt, 3, s, it, a.xa, [&](int r, float t, float, float rv) { a.xb[r] = __fadd_rn(rv, t); });
         LQ_MARK(13);
         lq_signal(ctr + 4);
     }
@@ -1467,7 +1503,7 @@ __device__ void lq_step(const LqArgs& a) {
         __shared__ LqArgs sa; /* in shared memory: the helpers take it by reference (no local copy) */          \
         if (threadIdx.x == 0)                                                                                      \
             sa = {layers, n_layers, x0, xa, xb, qkv, hid, part, hq, hqd, ctr, pos, rope_ff, rope_dim,                  \
-                  rope_scale, freq_scale, neox, D, F, n_head, n_kv, chunks, eps, scale, types, trace, lists};             \
+                  rope_scale, freq_scale, neox, D, F, n_head, n_kv, chunks, eps, scale, types, types1, trace, lists};             \
         __syncthreads();                                                                                           \
         lq_step<V / 32>(sa);                                                                                       \
     }

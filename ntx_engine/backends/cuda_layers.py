@@ -5,8 +5,8 @@ One block an SM runs every layer; a ring of shared-memory slots is kept filled w
 next weight rows by bulk copies, so the weights stream while the norms, the attention and the
 waits between the ops run; the last 10 % of the gate/up and down rows go to the blocks that claim
 them first. The blocks meet at counters in global memory, zeroed before each launch. It runs where
-every layer matrix is Q8_0, Q4_K or Q6_K (each layer with the same types: llama.cpp's Q8_0, and Q4_K_M
-where attn_v and ffn_down are Q6_K in every layer) and the shapes fit (`stack_unfit` says why not);
+every layer matrix is Q8_0, Q4_K or Q6_K, in at most KINDS type mixes (llama.cpp's Q8_0 has one; its Q4_K_M two:
+attn_v and ffn_down Q6_K in half the layers, Q4_K in the others), and the shapes fit (`stack_unfit` says why not);
 the backend's op-by-op kernels run everything else, and the step's head (final norm, output matmul,
 argmax) after it.
 """
@@ -35,8 +35,9 @@ MAX_CHUNKS = 32  # context chunks a KV head
 MAX_LAYERS = 96  # LQ_MAX_LAYERS: layer descriptors in shared memory
 CHUNK_MAX = 256  # LQ_CMAX: ring chunks of a layer a block (the producer's list)
 CHUNK_BYTES = 8  # sizeof(LqChunk)
-LAYER_BYTES = 8 * 11  # sizeof(LqLayer)
-STATIC_SMEM = 768  # at least the kernel's static shared memory (ptxas: 512 bytes)
+LAYER_BYTES = 8 * 12  # sizeof(LqLayer): 11 pointers and the layer's kind
+KINDS = 2  # LQ_KINDS: the type mixes a launch takes (a chunk list each)
+STATIC_SMEM = 1024  # at least the kernel's static shared memory (ptxas: 768 bytes)
 KS_VALUES, KS_ROWS = 2048, 16  # LQ_KSV, LQ_KSR: a K-slice chunk of the down rows (NTX_LQ_KS)
 Q6W_KS = 130  # layer_q8_ks.cu's NTX_LQ_Q6W: a Q6_K byte's weight in the blocks' q|k|v shares (layer_q8.cu's: 100)
 GROUPS = 2  # LQ_GROUPS: consumer warp groups (chunk i: group i % GROUPS)
@@ -52,7 +53,7 @@ def stack_smem(head_dim: int, group: int) -> int:
     npg = THREADS // (head_dim // 2)
     return (SLOTS * SLOT + ACT_BYTES + 4 * GMAX * head_dim + 4 * npg * group * head_dim
             + 2 * 2 * head_dim + KVS + 4 * 2 * GMAX + 8 * 32 + 32 + 8 * SLOTS + 2 * 4 * SLOTS * (THREADS // 32)
-            + 4 * npg * group + LAYER_BYTES * MAX_LAYERS + CHUNK_BYTES * CHUNK_MAX + 2 * 8 * SLOTS
+            + 4 * npg * group + LAYER_BYTES * MAX_LAYERS + CHUNK_BYTES * CHUNK_MAX * KINDS + 2 * 8 * SLOTS
             + 4 * 2 * (THREADS // 32))
 
 
@@ -76,11 +77,26 @@ def ks_shape(cfg: ModelConfig, down: GGMLType) -> bool:
             and KS_ROWS * tensor_nbytes(down, KS_VALUES) <= SLOT - 16)
 
 
-def ks_fits(cfg: ModelConfig, types: tuple) -> bool:
-    """Whether the model's down rows go as K slices (layer_q8_ks.cu's build): Q6_K rows (Q8_0 rows gained nothing
-    that way) of a shape that can, in a layer of K-quant matrices only (the build has no Q8_0 dot). types: the 7
-    matrices' (LAYER_FIELDS[:7]), down last."""
-    return types[6] == GGMLType.Q6_K and GGMLType.Q8_0 not in types and ks_shape(cfg, types[6])
+def ks_fits(cfg: ModelConfig, mixes: list[tuple]) -> bool:
+    """Whether the model loads layer_q8_ks.cu's build, whose Q6_K down rows go as K slices (Q8_0 rows gained nothing
+    that way): a type mix with Q6_K down rows of a shape that can, and K-quant matrices only in every mix (the build
+    has no Q8_0 dot; a mix with Q4_K down rows takes them whole). mixes: the layers' type mixes (layer_mixes), each
+    the 7 matrices' types (LAYER_FIELDS[:7]), down last."""
+    return (any(t[6] == GGMLType.Q6_K and ks_shape(cfg, t[6]) for t in mixes)
+            and all(GGMLType.Q8_0 not in t for t in mixes))
+
+
+def layer_mixes(layers: list) -> tuple[list[tuple], list[int]]:
+    """The layers' distinct type mixes (the 7 matrices' types, LAYER_FIELDS' order) in order of first use, and each
+    layer's index among them (its kind: LqLayer::kind)."""
+    mixes: list[tuple] = []
+    kinds = []
+    for lw in layers:
+        t = tuple(getattr(getattr(lw, n, None), "ggml_type", None) for n in LAYER_FIELDS[:7])
+        if t not in mixes:
+            mixes.append(t)
+        kinds.append(mixes.index(t))
+    return mixes, kinds
 
 
 def qkv_rows(cfg: ModelConfig, sm_count: int, types: tuple) -> int:
@@ -134,7 +150,6 @@ def stack_unfit(cfg: ModelConfig, layers: list, n_ctx: int, cc: tuple[int, int],
         return f"head shape {cfg.n_head}x{hd} / {cfg.n_head_kv} KV heads is not built"
     if d % 256 or f % 256 or d > NORM_MAX or f > KMAX:
         return f"n_embd {d} / n_ff {f} (multiples of 256, at most {NORM_MAX} / {KMAX})"
-    types = None
     for i, lw in enumerate(layers):
         mine = []
         for name in LAYER_FIELDS[:7]:
@@ -151,11 +166,13 @@ def stack_unfit(cfg: ModelConfig, layers: list, n_ctx: int, cc: tuple[int, int],
             mine.append(t)
         if mine[4] != mine[5]:
             return f"ffn_gate is {mine[4].name} and ffn_up {mine[5].name} (a ring chunk holds both: one type)"
-        if types is not None and tuple(mine) != types:
-            return (f"layer {i}'s matrices are {'/'.join(x.name for x in mine)}, layer 0's "
-                    f"{'/'.join(x.name for x in types)} (the kernel takes one type mix for every layer)")
-        types = tuple(mine)
-    chunks = layer_chunks(cfg, sm_count, types)
+    mixes, kinds = layer_mixes(layers)
+    if len(mixes) > KINDS:
+        i = kinds.index(KINDS)
+        return (f"layer {i}'s matrices are {'/'.join(x.name for x in mixes[KINDS])}, a type mix after "
+                f"{' and '.join('/'.join(x.name for x in t) for t in mixes[:KINDS])} (the kernel takes at most "
+                f"{KINDS} mixes)")
+    chunks = max(layer_chunks(cfg, sm_count, t) for t in mixes) if mixes else 0
     if len(layers) > MAX_LAYERS or chunks > CHUNK_MAX:
         return (f"{len(layers)} layers, {d} x {f} rows on {sm_count} SMs: {chunks} ring chunks a layer an SM "
                 f"(at most {MAX_LAYERS} layers, {CHUNK_MAX} chunks)")
@@ -179,11 +196,14 @@ class StackDecode:
         self.kernel = f"layer_q8_hd{cfg.head_dim}"
         self.smem = stack_smem(cfg.head_dim, self.group)
         # the build with the K-slice down rows where they apply (the other build runs a Q8_0 model 3 % faster)
-        types = tuple(getattr(layers[0], n).ggml_type for n in LAYER_FIELDS[:7])
-        self.source = KS_SOURCE if ks_fits(cfg, types) else SOURCE
-        self.types = sum(TYPE_CODES[t] << (4 * i) for i, t in enumerate(types))
+        self.mixes, self.kinds = layer_mixes(layers)
+        self.source = KS_SOURCE if ks_fits(cfg, self.mixes) else SOURCE
+        # each kind's types word (a kind the layers do not have: the first's, which the kernel also takes)
+        words = [sum(TYPE_CODES[t] << (4 * i) for i, t in enumerate(m)) for m in self.mixes]
+        self.types = (words + words[:1] * KINDS)[:KINDS]
         table = np.array([[getattr(lw, n).data.ptr if n.startswith("w") else getattr(lw, n).ptr for n in LAYER_FIELDS]
-                          + [b.k_cache[i].ptr, b.v_cache[i].ptr] for i, lw in enumerate(layers)], np.uint64)
+                          + [b.k_cache[i].ptr, b.v_cache[i].ptr, self.kinds[i]] for i, lw in enumerate(layers)],
+                         np.uint64)
         self.table = upload(b.pool, table, b.stream)
         new = b._new
         d, kvd = cfg.n_embd, cfg.kv_dim
@@ -202,9 +222,9 @@ class StackDecode:
 
             raise CudaError(f"{self.kernel} does not fit an SM ({self.smem} bytes of shared memory, {BLOCK} threads)")
         self.blocks = b.device.sm_count
-        # each block's ring chunk list ([0] its count, then CHUNK_MAX chunks of CHUNK_BYTES): the first launch lists
-        # them (~20 us of one lane's work), the later ones copy them; zero until then
-        self.lists = upload(b.pool, np.zeros(self.blocks * (CHUNK_MAX + 1), np.uint64), b.stream)
+        # each block's ring chunk list of each kind ([0] its count, then CHUNK_MAX chunks of CHUNK_BYTES): the first
+        # launch lists them (~20 us of one lane's work a kind), the later ones copy them; zero until then
+        self.lists = upload(b.pool, np.zeros(self.blocks * KINDS * (CHUNK_MAX + 1), np.uint64), b.stream)
         # a benchmark's tool (start_trace): a (n_layers, TRACE_MARKS, blocks) uint64 device array that
         # each block's thread 0 fills with the GPU clock (ns) at the kernel's LQ_MARK points; None: off
         self.trace: DeviceArray | None = None
@@ -231,8 +251,8 @@ class StackDecode:
                 (self.table, self.n_layers, x, self.xa, self.xb, self.qkv, self.hid, self.part, self.hq,
                  self.hqd, self.ctr,
                  b.pos_buf, b.rope_ff, c.rope_dim, b.rope_scale, c.rope_freq_scale, int(c.rope_type == ROPE_NEOX),
-                 c.n_embd, c.n_ff, c.n_head, c.n_head_kv, self.chunks, float(c.rms_eps), scale, self.types, self.trace,
-                 self.lists),
+                 c.n_embd, c.n_ff, c.n_head, c.n_head_kv, self.chunks, float(c.rms_eps), scale, *self.types,
+                 self.trace, self.lists),
                 b.stream, self.smem,
                 # a cooperative grid: the blocks wait on each other at counters, so all must be resident at once (one
                 # an SM); the driver schedules it only whole (it waits for SMs another kernel holds), and where the

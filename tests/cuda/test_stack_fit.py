@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ntx_engine.backends.cuda_layers import Q6W_KS, ks_fits, qkv_rows, stack_smem, stack_unfit
+from ntx_engine.backends.cuda_layers import (KINDS, Q6W_KS, ks_fits, layer_chunks, layer_mixes, qkv_rows, stack_smem,
+                                             stack_unfit)
 from ntx_engine.quants import GGMLType, tensor_nbytes
 
 H200 = dict(cc=(9, 0), sm_count=132, smem_optin=232448)  # cuDeviceGetAttribute on the lent H200
@@ -25,10 +26,18 @@ NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 Q4_K_M = {"wv": GGMLType.Q6_K, "w_down": GGMLType.Q6_K}  # the synthetic q4_k_m mix (Q4_K elsewhere)
 
 
-def _layers(n=32, t=GGMLType.Q8_0, odd=None, mix=None, odd_name="w_down"):
-    """n layers of type t (mix: other types by matrix); odd: the last layer's odd_name matrix's type."""
+def _layers(n=32, t=GGMLType.Q8_0, odd=None, mix=None, odd_name="w_down", more=None):
+    """n layers of type t (mix: other types by matrix); odd: the last layer's odd_name matrix's type; more: other
+    types by matrix in the layers llama.cpp's K-quant mixes give more bits (make_synthetic_model.more_bits)."""
+    def more_bits(i):
+        return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
     def typ(i, m):
-        return odd if (odd and m == odd_name and i == n - 1) else (mix or {}).get(m, t)
+        if odd and m == odd_name and i == n - 1:
+            return odd
+        if more and m in more and more_bits(i):
+            return more[m]
+        return (mix or {}).get(m, t)
     return [SimpleNamespace(**{m: SimpleNamespace(ggml_type=typ(i, m), name=f"blk.{i}.{m}") for m in NAMES})
             for i in range(n)]
 
@@ -38,19 +47,37 @@ def test_llama3_8b_q8_0_and_q4_k_m_fit_the_h200():
     assert stack_unfit(_cfg(), _layers(), 4096, **H200, allowed=(GGMLType.Q8_0,)) is None  # the default's stack8
     assert stack_unfit(_cfg(), _layers(t=GGMLType.Q4_K, mix=Q4_K_M), 4096, **H200) is None
     assert stack_unfit(_cfg(), _layers(t=GGMLType.Q6_K), 4096, **H200) is None
-    assert stack_smem(128, 4) + 512 <= H200["smem_optin"]  # + the kernel's static shared memory (ptxas)
+    assert stack_smem(128, 4) + 768 <= H200["smem_optin"]  # + the kernel's static shared memory (ptxas)
 
 
 def test_the_k_quant_build_takes_q6_k_down_rows_in_k_quant_layers_only():
     """layer_q8_ks.cu (NTX_LQ_Q8 0) has no Q8_0 dot: a layer with a Q8_0 matrix loads layer_q8.cu's build."""
     def types(**kw):
         return tuple(kw.get(n, Q4_K_M.get(n, GGMLType.Q4_K)) for n in NAMES)
-    assert ks_fits(_cfg(), types())
-    assert ks_fits(_cfg(), tuple(GGMLType.Q6_K for _ in NAMES))
-    assert not ks_fits(_cfg(), types(wv=GGMLType.Q8_0))  # a Q8_0 matrix: the build with the Q8_0 dot
-    assert not ks_fits(_cfg(), types(w_down=GGMLType.Q4_K))  # (Q6_K down rows only)
-    assert not ks_fits(_cfg(), tuple(GGMLType.Q8_0 for _ in NAMES))
-    assert not ks_fits(_cfg(n_ff=14080), types())  # 55 Q6_K blocks a row: not whole 2048-value slices
+    assert ks_fits(_cfg(), [types()])
+    assert ks_fits(_cfg(), [tuple(GGMLType.Q6_K for _ in NAMES)])
+    assert not ks_fits(_cfg(), [types(wv=GGMLType.Q8_0)])  # a Q8_0 matrix: the build with the Q8_0 dot
+    assert not ks_fits(_cfg(), [types(w_down=GGMLType.Q4_K)])  # (Q6_K down rows only)
+    assert not ks_fits(_cfg(), [tuple(GGMLType.Q8_0 for _ in NAMES)])
+    assert not ks_fits(_cfg(n_ff=14080), [types()])  # 55 Q6_K blocks a row: not whole 2048-value slices
+    # llama.cpp's Q4_K_M: Q6_K down rows in half the layers (as slices), Q4_K in the others (whole rows, same build)
+    assert ks_fits(_cfg(), [types(), types(wv=GGMLType.Q4_K, w_down=GGMLType.Q4_K)])
+    assert not ks_fits(_cfg(), [types(), types(wq=GGMLType.Q8_0)])  # a Q8_0 matrix in either mix
+
+
+def test_llama_cpps_q4_k_m_is_two_type_mixes_the_kernel_takes():
+    """A real Q4_K_M file (llama.cpp's use_more_bits: attn_v and ffn_down Q6_K in 16 of Llama-3-8B's 32 layers) has
+    two type mixes: each layer's kind names its mix, the chunk lists are bounded by the larger mix's, and a third mix
+    is refused with the layer that brings it."""
+    layers = _layers(t=GGMLType.Q4_K, more={"wv": GGMLType.Q6_K, "w_down": GGMLType.Q6_K})
+    mixes, kinds = layer_mixes(layers)
+    assert [m[2] for m in mixes] == [GGMLType.Q6_K, GGMLType.Q4_K] and [m[6] for m in mixes] == [m[2] for m in mixes]
+    assert [i for i, k in enumerate(kinds) if k == 0] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    assert len(mixes) <= KINDS and stack_unfit(_cfg(), layers, 4096, **H200) is None
+    assert max(layer_chunks(_cfg(), 132, m) for m in mixes) <= 256
+    layers[5].wq.ggml_type = GGMLType.Q6_K
+    why = stack_unfit(_cfg(), layers, 4096, **H200)
+    assert why is not None and "layer 5's matrices are Q6_K/Q4_K/Q4_K" in why and f"at most {KINDS} mixes" in why
 
 
 def _kernel_qkv_starts(cfg, types, blocks, w):
@@ -78,7 +105,9 @@ def test_qkv_rows_bounds_the_kernels_shares_under_either_builds_weight(w):
 @pytest.mark.parametrize("change,why", [
     (dict(cc=(8, 0)), "needs sm_90"),
     (dict(layers=_layers(t=GGMLType.Q5_K)), "blk.0.wq is Q5_K, not one of the kernel's types (Q8_0, Q4_K, Q6_K)"),
-    (dict(layers=_layers(odd=GGMLType.Q6_K)), "layer 31's matrices are Q8_0/Q8_0/Q8_0/Q8_0/Q8_0/Q8_0/Q6_K"),
+    # two mixes: Q6_K down rows in the more-bits layers, and in the last layer a third (Q4_K down rows)
+    (dict(layers=_layers(more={"w_down": GGMLType.Q6_K}, odd=GGMLType.Q4_K)),
+     "layer 31's matrices are Q8_0/Q8_0/Q8_0/Q8_0/Q8_0/Q8_0/Q4_K, a type mix after"),
     (dict(layers=_layers(odd=GGMLType.Q4_K, odd_name="w_up")), "ffn_gate is Q8_0 and ffn_up Q4_K"),
     # 55 Q6_K blocks: 11550 bytes a row
     (dict(cfg=_cfg(n_ff=14080), layers=_layers(t=GGMLType.Q4_K, mix=Q4_K_M)), "blk.0.w_down: a row of 14080 Q6_K"),
@@ -118,13 +147,16 @@ def test_the_host_mirrors_the_kernels_constants():
     assert {"LQ_THREADS": cl.THREADS, "LQ_SLOTS": cl.SLOTS, "LQ_SLOT": cl.SLOT, "LQ_KMAX": cl.KMAX,
             "LQ_GMAX": cl.GMAX, "LQ_NCTR": cl.NCTR, "LQ_MARKS": cl.TRACE_MARKS, "LQ_MAX_LAYERS": cl.MAX_LAYERS,
             "LQ_GROUPS": cl.GROUPS, "LQ_KVS": cl.KVS, "LQ_NV": cl.NORM_MAX // cl.THREADS,
-            "LQ_CMAX": cl.CHUNK_MAX} == {k: macro[k] for k in (
+            "LQ_CMAX": cl.CHUNK_MAX, "LQ_KINDS": cl.KINDS} == {k: macro[k] for k in (
         "LQ_THREADS", "LQ_SLOTS", "LQ_SLOT", "LQ_KMAX", "LQ_GMAX", "LQ_NCTR", "LQ_MARKS", "LQ_MAX_LAYERS",
-        "LQ_GROUPS", "LQ_KVS", "LQ_NV", "LQ_CMAX")}
+        "LQ_GROUPS", "LQ_KVS", "LQ_NV", "LQ_CMAX", "LQ_KINDS")}
     assert {t.name: c for t, c in cl.TYPE_CODES.items()} == {k[3:]: macro[k] for k in ("LQ_Q8_0", "LQ_Q4_K", "LQ_Q6_K")}
     assert cl.GROUP_WARPS == macro["LQ_THREADS"] // 32 // macro["LQ_GROUPS"]
     fields = re.search(r"struct LqLayer \{[^}]*\}", src).group(0)
-    assert len(re.findall(r"\*\s*\w+", fields)) * 8 == cl.LAYER_BYTES == 8 * (len(cl.LAYER_FIELDS) + 2)
+    # 11 pointers (LAYER_FIELDS, the k and v caches) and the kind, 8 bytes each
+    assert len(re.findall(r"\*\s*\w+", fields)) == len(cl.LAYER_FIELDS) + 2
+    assert re.findall(r"unsigned long long (\w+);", fields) == ["kind"]
+    assert cl.LAYER_BYTES == 8 * (len(cl.LAYER_FIELDS) + 3)
     chunk = re.search(r"struct LqChunk \{([^}]*)\}", src).group(1)  # unsigned, unsigned short, 2 unsigned chars
     assert re.findall(r"(unsigned(?: short| char)?) \w+", chunk) == ["unsigned", "unsigned short", "unsigned char"]
     assert cl.CHUNK_BYTES == 8

@@ -1,6 +1,7 @@
 """The "stack" decode (backends/cuda_layers.py, native/cuda/layer_q8.cu: every layer of a one-token
 step in one persistent launch) against the numpy backend on synthetic models (all-Q8_0; Q4_K_M: Q4_K with
-Q6_K v and down rows; all-Q4_K), teacher-forced on numpy's greedy tokens so every step's logits are
+Q6_K v and down rows; llama.cpp's Q4_K_M, whose v and down rows are Q6_K in some layers and Q4_K in the others: two
+type mixes in one launch; all-Q4_K), teacher-forced on numpy's greedy tokens so every step's logits are
 compared at the same inputs:
 - each decode step's logits within 3 x the numpy model's noise floor + 1e-3 (test_engine_gpu's
   prefill bound; the layer-by-layer CUDA path is held to the same bound in the same test);
@@ -35,10 +36,13 @@ STEPS = 12
 CASES = [("tiny", "q8_0", 4, 5, 64), ("tiny", "q8_0", 3, 180, 256), ("small", "q8_0", 2, 9, 64),
          ("small", "q8_0", 2, 120, 160), ("gqa8", "q8_0", 2, 600, 640), ("small", "q4_k_m", 2, 9, 64),
          ("small", "q4_k_m", 2, 150, 192), ("small", "q4_k", 2, 40, 64), ("gqa3", "q8_0", 2, 200, 256),
-         ("wide", "q4_k_m", 2, 30, 64), ("wide", "q8_0", 2, 30, 64)]
+         ("wide", "q4_k_m", 2, 30, 64), ("wide", "q8_0", 2, 30, 64),
+         # llama.cpp's Q4_K_M: small's 8 layers Q6_K (kind 0) at 0, 3, 6, 7, Q4_K (kind 1) between; wide's 4 layers Q4_K
+         # (kind 0) at 0, 1, Q6_K (kind 1) at 2, 3
+         ("small", "q4_k_m_lcpp", 8, 40, 64), ("wide", "q4_k_m_lcpp", 4, 70, 128)]
 # the cases whose Q6_K down rows go as K slices (layer_q8_ks.cu's build: n_ff a multiple of 2048, K-quant matrices
 # only: cuda_layers.ks_fits); the rest load layer_q8.cu's
-KS_CASES = {("small", "q4_k_m"), ("wide", "q4_k_m")}
+KS_CASES = {("small", "q4_k_m"), ("wide", "q4_k_m"), ("small", "q4_k_m_lcpp"), ("wide", "q4_k_m_lcpp")}
 
 
 def _models(synth, tmp_path, shape, mix, layers, n_ctx, fuse):
@@ -91,15 +95,25 @@ def test_stack_decode_matches_numpy(cuda_backend, synth, tmp_path, shape, mix, l
     plain_stack = _forced(stack, stack.forward, prompt, ref_toks[:-1])
     assert all(np.array_equal(a, b) for a, b in zip(g, plain_stack)), "the graph replay differs from the plain step"
     assert all(np.array_equal(a, b) for a, b in zip(plain_stack, got)), "the stack step is not deterministic"
-    # the first launch listed every block's ring chunks for the later ones: a count (the first word) in the bound
+    # the first launch listed every block's ring chunks of each kind its layers have for the later ones: a count (the
+    # first word) in the bound; none for a kind the layers do not have
     from ntx_engine.backends.cuda_driver import download
-    from ntx_engine.backends.cuda_layers import CHUNK_MAX, KS_SOURCE, LAYER_FIELDS, SOURCE, layer_chunks
+    from ntx_engine.backends.cuda_layers import CHUNK_MAX, KINDS, KS_SOURCE, LAYER_FIELDS, SOURCE, layer_chunks
 
     st, b = stack.backend.stack, stack.backend
     assert st.source == (KS_SOURCE if (shape, mix) in KS_CASES else SOURCE), st.source
-    counts = download(st.lists, b.stream).reshape(st.blocks, CHUNK_MAX + 1)[:, 0] & 0xFFFFFFFF
-    types = tuple(getattr(stack.w.layers[0], n).ggml_type for n in LAYER_FIELDS[:7])
-    assert counts.min() >= 1 and counts.max() <= layer_chunks(ref.cfg, st.blocks, types), counts
+    counts = download(st.lists, b.stream).reshape(st.blocks, KINDS, CHUNK_MAX + 1)[:, :, 0] & 0xFFFFFFFF
+    mixes = []
+    for lw in stack.w.layers:
+        t = tuple(getattr(lw, n).ggml_type for n in LAYER_FIELDS[:7])
+        mixes += [t] if t not in mixes else []
+    assert len(mixes) == (2 if mix.endswith("_lcpp") else 1) and st.mixes == mixes
+    for k in range(KINDS):
+        c = counts[:, k]
+        if k < len(mixes):
+            assert c.min() >= 1 and c.max() <= layer_chunks(ref.cfg, st.blocks, mixes[k]), (k, c)
+        else:
+            assert not c.any(), (k, c)
 
 
 def test_stack_falls_back_with_a_reason(cuda_backend, synth, tmp_path):
