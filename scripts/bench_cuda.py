@@ -342,7 +342,9 @@ def run(path: Path, n_prompt: int, n_decode: int, n_ctx: int, matvec: str = "fas
                 copy_bw_gb_s=bw / 1e9, hbm_bound_tok_s=bw / (per_tok + kv),
                 achieved_gb_s=(per_tok + kv) * tok_s / 1e9, fraction_of_bound=(per_tok + kv) * tok_s / bw,
                 kernel_ms_per_token=round(sum(v["ms"] for v in kernels.values()), 4), profiled_step_ms=step_ms,
-                decode_ms_per_token_graph=1e3 / tok_s, decode_ms_back_to_back=fed_ms, kernels=kernels)
+                decode_ms_per_token_graph=1e3 / tok_s, decode_ms_back_to_back=fed_ms, kernels=kernels,
+                # which decode step ran: the stack step's build (cuda_layers.StackDecode.source), else why not
+                stack_source=None if b.stack is None else b.stack.source, stack_why_not=b.stack_why_not)
 
 
 def synthetic_model(spec: str, workdir: Path) -> Path:
@@ -352,6 +354,7 @@ def synthetic_model(spec: str, workdir: Path) -> Path:
     shape, mix, *layers = spec.split(":")
     path = workdir / f"synthetic-{shape}-{mix}{'-' + layers[0] if layers else ''}.gguf"
     if not path.exists():
+        workdir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         msm.write_model(path, shape, mix, int(layers[0]) if layers else None)
         print(f"wrote {path} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)

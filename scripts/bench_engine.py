@@ -112,7 +112,9 @@ def table(results: list[dict], top: int = 8) -> str:
                      f"({r['hbm_bound_tok_s']:.0f} tok/s); prefill {r['prefill_tok_s']:.0f} tok/s; "
                      f"kernels {r['kernel_ms_per_token']:.3f} ms (profiled step {r.get('profiled_step_ms', float('nan')):.3f}) "
                      f"vs graph step {r['decode_ms_per_token_graph']:.3f} ms "
-                     f"(back to back on the GPU {r.get('decode_ms_back_to_back', float('nan')):.3f})")
+                     f"(back to back on the GPU {r.get('decode_ms_back_to_back', float('nan')):.3f})"
+                     + (f" [stack step: {r['stack_source']}]" if r.get("stack_source") else
+                        f" [op by op: {r['stack_why_not']}]" if r.get("stack_why_not") else ""))
         for name, v in list(r["kernels"].items())[:top]:
             lines.append(f"    {name:<24} {v['ms']:8.4f} ms  x{v['launches']}")
         if top and "prefill_kernels" in r:
