@@ -72,10 +72,11 @@ T = GGMLType
 # mix: (default matrix type, {tensor-name suffix: type}). "q4_k_m": Q6_K for attn_v, ffn_down and output in every
 # layer, Q4_K elsewhere (embeddings included) — the file the benchmarks and FACTS.md's llama.cpp numbers use since
 # session 1. llama.cpp's own Q4_K_M gives attn_v and ffn_down Q6_K in half the layers only (MORE_BITS):
-# "q4_k_m_lcpp" is that file.
+# "q4_k_m_lcpp" is that file ("q5_k_m_lcpp" its Q5_K_M).
 MIXES = {
     "q4_k_m": (T.Q4_K, {"attn_v": T.Q6_K, "ffn_down": T.Q6_K, "output": T.Q6_K}),
     "q4_k_m_lcpp": (T.Q4_K, {"output": T.Q6_K}),
+    "q5_k_m_lcpp": (T.Q5_K, {"output": T.Q6_K}),
     "q8_0": (T.Q8_0, {}),
     "q4_k": (T.Q4_K, {"output": T.Q6_K}),
     "q6_k": (T.Q6_K, {}),
@@ -87,7 +88,7 @@ MIXES = {
 
 # mix: {tensor-name suffix: type} in the layers llama.cpp's quantizer gives more bits (llama_tensor_get_type's
 # use_more_bits for Q4_K_M / Q5_K_M: the first and last eighth of the layers and every third between)
-MORE_BITS = {"q4_k_m_lcpp": {"attn_v": T.Q6_K, "ffn_down": T.Q6_K}}
+MORE_BITS = {"q4_k_m_lcpp": {"attn_v": T.Q6_K, "ffn_down": T.Q6_K}, "q5_k_m_lcpp": {"attn_v": T.Q6_K, "ffn_down": T.Q6_K}}
 
 
 def more_bits(i: int, n: int) -> bool:
