@@ -313,6 +313,11 @@ __device__ __forceinline__ int lq_rows(const LqArgs& a, int ph) {
 #define LQ_Q8_0 0
 #define LQ_Q4_K 1  // 144-byte blocks of 256 values: d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
 #define LQ_Q6_K 2  // 210-byte blocks of 256 values: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d
+#define LQ_Q5_K 3  // 176-byte blocks of 256 values: d, dmin, Q4_K's 12 bytes of scales and minimums, 32 of high bits, 128 of nibbles
+// NTX_LQ_Q5 1: a build with the Q5_K dot (layer_q8_ks.cu's; the other build traps on a Q5_K matrix: cuda_layers.ks_fits)
+#ifndef NTX_LQ_Q5
+#define NTX_LQ_Q5 0
+#endif
 struct LqMat {
     int rb, units, type, rpc, pair, lw;  // pair: lq_phase's items are row pairs, lw: log2 of the warps an item
 };
@@ -358,7 +363,9 @@ __device__ void lq_mat_init(const LqArgs& a, int kind) {
     for (int m = 0; m < 7; ++m) {
         const int k = m == 6 ? a.F : a.D, type = (int)(types >> (4 * m)) & 15, per = m == 4 ? 2 : 1;
         if (!NTX_LQ_Q8 && type == LQ_Q8_0) __trap();  // a Q8_0 matrix in the K-quant build: fail, not garbage
-        const int rb = type == LQ_Q4_K ? k / 256 * 144 : type == LQ_Q6_K ? k / 256 * 210 : k / 32 * LQ_BQ;
+        if (!NTX_LQ_Q5 && type == LQ_Q5_K) __trap();  // a Q5_K matrix in the other build
+        const int rb = type == LQ_Q4_K ? k / 256 * 144 : type == LQ_Q5_K ? k / 256 * 176 : type == LQ_Q6_K ? k / 256 * 210
+                                                                                                       : k / 32 * LQ_BQ;
         const int rpc = lq_fit_rows(rb, per);
         // items: gate/up row pairs, pairs of rows where they outnumber the warps of a group, else single rows
         const int pair = per == 2 || rpc > LQ_GW, items = per == 2 ? rpc : pair ? (rpc + 1) / 2 : rpc;
@@ -773,19 +780,23 @@ __device__ __forceinline__ float2 lq_dot_q8_0(int oa, int ob, int units, int pt,
 // nibbles of the same 32 bytes) of blocks b = (pt 32 + lane) / 4 + 8 wpr n; both units' scale and minimum come as
 // 16-bit pairs: m < 2 their 6 bits are bytes 2m % 4 .. of the scale and min words; m >= 2 the low 4 bits are the
 // nibbles of the third word's bytes, the high 2 bits the first (second) word's top bits.
-template <int NR>
-__device__ __noinline__ float2 lq_dot_q4_k(int oa, int ob, int units, int pt, int wpr) {
+// Q5 (NTX_LQ_Q5 builds): Q5_K, 176-byte blocks (Q4_K's 16-byte head, 32 bytes qh, the nibbles at 48): unit j's values
+// are its nibbles plus 16 x bit j of qh[l] (value l), 0..31, so both units' values fit signed bytes.
+template <int NR, bool Q5>
+__device__ __forceinline__ float2 lq_dot_k45(int oa, int ob, int units, int pt, int wpr) {
+    constexpr int BB = Q5 ? 176 : 144, QS = Q5 ? 48 : 16;  // block bytes, where the nibbles start
     const int i0 = pt * 32 + (int)(threadIdx.x & 31), m = i0 & 3, nb = units / 8, step = 8 * wpr;
     float r[2] = {0.f, 0.f};
     const bool hs = m >= 2;
     const unsigned b0 = 16u * (unsigned)(m & 1), sy = hs ? b0 + 4u : b0, ma = hs ? 0x0F0Fu : 0x3F3Fu, mb = hs ? 0x3030u : 0u;
+    const unsigned u0 = 2u * (unsigned)m;  // Q5: the qh bit of unit 2m (2m + 1: the next)
     int b = i0 >> 2;
     const uint8_t* xp = LQ_AQ + b * 256 + 32 * m;       // unit 8b + 2m's activations (lq_ldx), 8b + 2m + 1's at + 16
     const float* dp = LQ_AD + 8 * b + 2 * m;
     const int* sp = LQ_AS + 8 * b + 2 * m;
-    const uint8_t* wp = lq_dyn + oa + b * 144;
+    const uint8_t* wp = lq_dyn + oa + b * BB;
     const int dw = ob - oa;
-    for (; b < nb; b += step, xp += 256 * step, dp += 8 * step, sp += 8 * step, wp += 144 * step) {
+    for (; b < nb; b += step, xp += 256 * step, dp += 8 * step, sp += 8 * step, wp += BB * step) {
         const int4 x0a = *reinterpret_cast<const int4*>(xp), x0b = *reinterpret_cast<const int4*>(xp + 128);
         const int4 x1a = *reinterpret_cast<const int4*>(xp + 16), x1b = *reinterpret_cast<const int4*>(xp + 144);
         const float d0 = dp[0], d1 = dp[1];
@@ -794,26 +805,46 @@ __device__ __noinline__ float2 lq_dot_q4_k(int oa, int ob, int units, int pt, in
         for (int e = 0; e < NR; ++e) {
             const uint8_t* w = wp + (e ? dw : 0);
             const uint4 h = *reinterpret_cast<const uint4*>(w);  // d | dmin, scale bytes 0..3, 4..7, 8..11
-            const uint4 qa = *reinterpret_cast<const uint4*>(w + 16 + 32 * m);
-            const uint4 qb = *reinterpret_cast<const uint4*>(w + 32 + 32 * m);
+            const uint4 qa = *reinterpret_cast<const uint4*>(w + QS + 32 * m);
+            const uint4 qb = *reinterpret_cast<const uint4*>(w + QS + 16 + 32 * m);
             const unsigned sc = ((hs ? h.w : h.y) >> b0 & ma) | (h.y >> (b0 + 2u) & mb);
             const unsigned mn = ((hs ? h.w : h.z) >> sy & ma) | (h.z >> (b0 + 2u) & mb);
             const uint32_t q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
             uint32_t lo[8], hi[8];
+            if (Q5) {
+                const uint4 ha = *reinterpret_cast<const uint4*>(w + 16), hb = *reinterpret_cast<const uint4*>(w + 32);
+                const uint32_t qh[8] = {ha.x, ha.y, ha.z, ha.w, hb.x, hb.y, hb.z, hb.w};
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                lo[i] = q[i] & 0x0F0F0F0Fu;
-                hi[i] = q[i] & 0xF0F0F0F0u;
+                for (int i = 0; i < 8; ++i) {
+                    lo[i] = (q[i] & 0x0F0F0F0Fu) | ((qh[i] >> u0) & 0x01010101u) << 4;
+                    hi[i] = (q[i] >> 4 & 0x0F0F0F0Fu) | ((qh[i] >> (u0 + 1u)) & 0x01010101u) << 4;
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    lo[i] = q[i] & 0x0F0F0F0Fu;
+                    hi[i] = q[i] & 0xF0F0F0F0u;
+                }
             }
             // the scale times the int dot and the minimum times the activations' sum in ints (exact: < 2^24), then
-            // one product by d (dmin); the high nibbles' dot is 16 x theirs: d / 16 (exact)
+            // one product by d (dmin); Q4_K's high nibbles' dot is 16 x theirs: d / 16 (exact)
             const float dd = ntx_h2f((uint16_t)(h.x & 0xffffu)), dm = ntx_h2f((uint16_t)(h.x >> 16));
+            const int hdot = Q5 ? lq_dot8(hi, x1a, x1b) : lq_dot8u(hi, x1a, x1b);
             const float t0 = dd * (float)((int)(sc & 0xffu) * lq_dot8(lo, x0a, x0b)) - dm * (float)((int)(mn & 0xffu) * s0);
-            const float t1 = (dd * 0.0625f) * (float)((int)(sc >> 8) * lq_dot8u(hi, x1a, x1b)) - dm * (float)((int)(mn >> 8) * s1);
+            const float t1 = (Q5 ? dd : dd * 0.0625f) * (float)((int)(sc >> 8) * hdot) - dm * (float)((int)(mn >> 8) * s1);
             r[e] += d0 * t0 + d1 * t1;
         }
     }
     return make_float2(r[0], r[1]);
+}
+// The Q4_K dot, and in NTX_LQ_Q5 builds Q5_K's (type): one function, so a phase loop calls both from one call site (code
+// a layer never runs, in its hot loops, cost time through the instruction cache: sessions 23, 25).
+template <int NR>
+__device__ __noinline__ float2 lq_dot_q4_k(int oa, int ob, int units, int pt, int wpr, int type) {
+#if NTX_LQ_Q5
+    if (type == LQ_Q5_K) return lq_dot_k45<NR, true>(oa, ob, units, pt, wpr);
+#endif
+    return lq_dot_k45<NR, false>(oa, ob, units, pt, wpr);
 }
 
 // Q6_K: unit j of a block (half j / 4, s = j % 4) takes nibble s / 2 of the half's low bytes 32 (s % 2) .. and bit pair
@@ -866,7 +897,8 @@ __device__ __noinline__ float2 lq_dot_q6_k(int oa, int ob, int units, int pt, in
 // Rows oa and ob (two) or oa alone.
 __device__ __forceinline__ float2 lq_row_dot(int oa, int ob, bool two, int units, int pt, int wpr, int type) {
     if (NTX_LQ_PROBE == 1 || NTX_LQ_PROBE == 7) return make_float2(0.f, 0.f);
-    if (type == LQ_Q4_K) return two ? lq_dot_q4_k<2>(oa, ob, units, pt, wpr) : lq_dot_q4_k<1>(oa, ob, units, pt, wpr);
+    if (type == LQ_Q4_K || (NTX_LQ_Q5 && type == LQ_Q5_K))
+        return two ? lq_dot_q4_k<2>(oa, ob, units, pt, wpr, type) : lq_dot_q4_k<1>(oa, ob, units, pt, wpr, type);
     if (!NTX_LQ_Q8 || type == LQ_Q6_K)
         return two ? lq_dot_q6_k<2>(oa, ob, units, pt, wpr) : lq_dot_q6_k<1>(oa, ob, units, pt, wpr);
     return two ? lq_dot_q8_0<2>(oa, ob, units, pt, wpr) : lq_dot_q8_0<1>(oa, ob, units, pt, wpr);
@@ -923,7 +955,7 @@ __device__ void lq_phase(const LqArgs& a, const LqMat* mt, int ph, const LqShare
                 else if ((NTX_LQ_KS & (1 << LQ_Q6_K)) && m.type == LQ_Q6_K)
                     t = lq_dot_q6_k<2>(o, ob, nu, k, 1);
                 else if ((NTX_LQ_KS & (1 << LQ_Q4_K)) && m.type == LQ_Q4_K)
-                    t = lq_dot_q4_k<2>(o, ob, nu, k, 1);
+                    t = lq_dot_q4_k<2>(o, ob, nu, k, 1, LQ_Q4_K);
                 else if (NTX_LQ_KS & (1 << LQ_Q8_0))
                     t = lq_dot_q8_0<2>(o, ob, nu, 2 * k, 1);
                 acc.x += t.x;

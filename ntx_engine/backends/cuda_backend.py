@@ -502,7 +502,7 @@ class CudaBackend:
             allowed, hint = tuple(TYPE_CODES), ""
             if "stack" not in self.fuse:  # "stack8": Q8_0 models only
                 allowed, hint = (GGMLType.Q8_0,), (": the stack step stack8 takes Q8_0 models "
-                                                    "(NTX_CUDA_FUSE=all,stack, the default, also runs Q4_K/Q6_K mixes)")
+                                                    "(NTX_CUDA_FUSE=all,stack, the default, also runs Q4_K/Q5_K/Q6_K mixes)")
             why = stack_unfit(c, layers, self.n_ctx, dev.cc, dev.sm_count, dev.max_smem_optin, allowed, hint)
             self._stack = (layers, None if why else StackDecode(self, layers), why)
         if self._stack[1] is None:

@@ -1,12 +1,13 @@
 """The "stack" decode: a one-token step's layers in one persistent launch (native/cuda/layer_q8.cu; layer_q8_ks.cu
-builds it with Q6_K down rows as K slices, for the models ks_fits names).
+builds it with Q6_K down rows as K slices and the Q5_K dot, for the models ks_fits names).
 
 One block an SM runs every layer; a ring of shared-memory slots is kept filled with the block's
 next weight rows by bulk copies, so the weights stream while the norms, the attention and the
 waits between the ops run; the last 10 % of the gate/up and down rows go to the blocks that claim
 them first. The blocks meet at counters in global memory, zeroed before each launch. It runs where
-every layer matrix is Q8_0, Q4_K or Q6_K, in at most KINDS type mixes (llama.cpp's Q8_0 has one; its Q4_K_M two:
-attn_v and ffn_down Q6_K in half the layers, Q4_K in the others), and the shapes fit (`stack_unfit` says why not);
+every layer matrix is Q8_0, Q4_K, Q5_K or Q6_K, in at most KINDS type mixes (llama.cpp's Q8_0 has one; its Q4_K_M and
+Q5_K_M two: attn_v and ffn_down Q6_K in half the layers, Q4_K / Q5_K in the others), and the shapes fit (`stack_unfit`
+says why not);
 the backend's op-by-op kernels run everything else, and the step's head (final norm, output matmul,
 argmax) after it.
 """
@@ -20,7 +21,7 @@ from ntx_engine.config import ROPE_NEOX, ModelConfig
 from ntx_engine.quants import GGMLType, tensor_nbytes
 
 SOURCE = "layer_q8.cu"
-KS_SOURCE = "layer_q8_ks.cu"  # the same kernel built with Q6_K down rows as K slices (NTX_LQ_KS=4): ks_fits
+KS_SOURCE = "layer_q8_ks.cu"  # the same kernel built with Q6_K down rows as K slices (NTX_LQ_KS=4), Q5_K: ks_fits
 THREADS = 512  # LQ_THREADS: the consumer threads
 BLOCK = THREADS + 32  # LQ_BLOCK: and the producer warp
 SLOTS, SLOT = 4, 34832  # LQ_SLOTS, LQ_SLOT: the weight ring
@@ -42,8 +43,9 @@ KS_VALUES, KS_ROWS = 2048, 16  # LQ_KSV, LQ_KSR: a K-slice chunk of the down row
 Q6W_KS = 130  # layer_q8_ks.cu's NTX_LQ_Q6W: a Q6_K byte's weight in the blocks' q|k|v shares (layer_q8.cu's: 100)
 GROUPS = 2  # LQ_GROUPS: consumer warp groups (chunk i: group i % GROUPS)
 GROUP_WARPS = THREADS // 32 // GROUPS  # LQ_GW
-# The weight types of the kernel's matrices (LQ_Q8_0, LQ_Q4_K, LQ_Q6_K: its `types` word, a nibble a matrix).
-TYPE_CODES = {GGMLType.Q8_0: 0, GGMLType.Q4_K: 1, GGMLType.Q6_K: 2}
+# The weight types of the kernel's matrices (LQ_Q8_0, LQ_Q4_K, LQ_Q6_K, LQ_Q5_K: its `types` word, a nibble a matrix).
+TYPE_CODES = {GGMLType.Q8_0: 0, GGMLType.Q4_K: 1, GGMLType.Q6_K: 2, GGMLType.Q5_K: 3}
+KS_ONLY = (GGMLType.Q5_K,)  # the types only layer_q8_ks.cu's build has a dot for (NTX_LQ_Q5)
 HEAD_DIMS = (64, 128)  # the kernels built (layer_q8_hd64, layer_q8_hd128)
 LAYER_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm", "ffn_norm")  # + k, v caches
 
@@ -79,10 +81,11 @@ def ks_shape(cfg: ModelConfig, down: GGMLType) -> bool:
 
 def ks_fits(cfg: ModelConfig, mixes: list[tuple]) -> bool:
     """Whether the model loads layer_q8_ks.cu's build, whose Q6_K down rows go as K slices (Q8_0 rows gained nothing
-    that way): a type mix with Q6_K down rows of a shape that can, and K-quant matrices only in every mix (the build
-    has no Q8_0 dot; a mix with Q4_K down rows takes them whole). mixes: the layers' type mixes (layer_mixes), each
-    the 7 matrices' types (LAYER_FIELDS[:7]), down last."""
-    return (any(t[6] == GGMLType.Q6_K and ks_shape(cfg, t[6]) for t in mixes)
+    that way) and which alone has the Q5_K dot: a type mix with Q6_K down rows of a shape that can or with a Q5_K
+    matrix, and K-quant matrices only in every mix (the build has no Q8_0 dot; a mix with Q4_K or Q5_K down rows takes
+    them whole). mixes: the layers' type mixes (layer_mixes), each the 7 matrices' types (LAYER_FIELDS[:7]), down
+    last."""
+    return (any((t[6] == GGMLType.Q6_K and ks_shape(cfg, t[6])) or any(x in KS_ONLY for x in t) for t in mixes)
             and all(GGMLType.Q8_0 not in t for t in mixes))
 
 
@@ -172,6 +175,9 @@ def stack_unfit(cfg: ModelConfig, layers: list, n_ctx: int, cc: tuple[int, int],
         return (f"layer {i}'s matrices are {'/'.join(x.name for x in mixes[KINDS])}, a type mix after "
                 f"{' and '.join('/'.join(x.name for x in t) for t in mixes[:KINDS])} (the kernel takes at most "
                 f"{KINDS} mixes)")
+    if any(x in KS_ONLY for t in mixes for x in t) and not ks_fits(cfg, mixes):
+        return (f"{', '.join(x.name for x in KS_ONLY)} matrices are in the K-quant build of the kernel, which has no "
+                f"Q8_0 dot: the layers mix them with Q8_0")
     chunks = max(layer_chunks(cfg, sm_count, t) for t in mixes) if mixes else 0
     if len(layers) > MAX_LAYERS or chunks > CHUNK_MAX:
         return (f"{len(layers)} layers, {d} x {f} rows on {sm_count} SMs: {chunks} ring chunks a layer an SM "

@@ -47,6 +47,8 @@ def test_llama3_8b_q8_0_and_q4_k_m_fit_the_h200():
     assert stack_unfit(_cfg(), _layers(), 4096, **H200, allowed=(GGMLType.Q8_0,)) is None  # the default's stack8
     assert stack_unfit(_cfg(), _layers(t=GGMLType.Q4_K, mix=Q4_K_M), 4096, **H200) is None
     assert stack_unfit(_cfg(), _layers(t=GGMLType.Q6_K), 4096, **H200) is None
+    assert stack_unfit(_cfg(), _layers(t=GGMLType.Q5_K, more={"wv": GGMLType.Q6_K, "w_down": GGMLType.Q6_K}), 4096,
+                       **H200) is None  # llama.cpp's Q5_K_M
     assert stack_smem(128, 4) + 768 <= H200["smem_optin"]  # + the kernel's static shared memory (ptxas)
 
 
@@ -63,6 +65,10 @@ def test_the_k_quant_build_takes_q6_k_down_rows_in_k_quant_layers_only():
     # llama.cpp's Q4_K_M: Q6_K down rows in half the layers (as slices), Q4_K in the others (whole rows, same build)
     assert ks_fits(_cfg(), [types(), types(wv=GGMLType.Q4_K, w_down=GGMLType.Q4_K)])
     assert not ks_fits(_cfg(), [types(), types(wq=GGMLType.Q8_0)])  # a Q8_0 matrix in either mix
+    # Q5_K matrices (llama.cpp's Q5_K_M, Q4_K_S): the build with the Q5_K dot, whatever the down rows
+    q5 = tuple(GGMLType.Q5_K for _ in NAMES)
+    assert ks_fits(_cfg(), [q5]) and ks_fits(_cfg(n_ff=14080), [q5])
+    assert ks_fits(_cfg(), [types(wq=GGMLType.Q5_K, wk=GGMLType.Q5_K)])
 
 
 def test_llama_cpps_q4_k_m_is_two_type_mixes_the_kernel_takes():
@@ -104,7 +110,9 @@ def test_qkv_rows_bounds_the_kernels_shares_under_either_builds_weight(w):
 
 @pytest.mark.parametrize("change,why", [
     (dict(cc=(8, 0)), "needs sm_90"),
-    (dict(layers=_layers(t=GGMLType.Q5_K)), "blk.0.wq is Q5_K, not one of the kernel's types (Q8_0, Q4_K, Q6_K)"),
+    (dict(layers=_layers(t=GGMLType.Q5_0)), "blk.0.wq is Q5_0, not one of the kernel's types (Q8_0, Q4_K, Q6_K, Q5_K)"),
+    # Q5_K's dot is in the K-quant build alone, which has no Q8_0 dot
+    (dict(layers=_layers(odd=GGMLType.Q5_K)), "Q5_K matrices are in the K-quant build of the kernel, which has no Q8_0"),
     # two mixes: Q6_K down rows in the more-bits layers, and in the last layer a third (Q4_K down rows)
     (dict(layers=_layers(more={"w_down": GGMLType.Q6_K}, odd=GGMLType.Q4_K)),
      "layer 31's matrices are Q8_0/Q8_0/Q8_0/Q8_0/Q8_0/Q8_0/Q4_K, a type mix after"),
@@ -150,7 +158,8 @@ def test_the_host_mirrors_the_kernels_constants():
             "LQ_CMAX": cl.CHUNK_MAX, "LQ_KINDS": cl.KINDS} == {k: macro[k] for k in (
         "LQ_THREADS", "LQ_SLOTS", "LQ_SLOT", "LQ_KMAX", "LQ_GMAX", "LQ_NCTR", "LQ_MARKS", "LQ_MAX_LAYERS",
         "LQ_GROUPS", "LQ_KVS", "LQ_NV", "LQ_CMAX", "LQ_KINDS")}
-    assert {t.name: c for t, c in cl.TYPE_CODES.items()} == {k[3:]: macro[k] for k in ("LQ_Q8_0", "LQ_Q4_K", "LQ_Q6_K")}
+    assert {t.name: c for t, c in cl.TYPE_CODES.items()} == {k[3:]: macro[k] for k in ("LQ_Q8_0", "LQ_Q4_K", "LQ_Q6_K",
+                                                                                      "LQ_Q5_K")}
     assert cl.GROUP_WARPS == macro["LQ_THREADS"] // 32 // macro["LQ_GROUPS"]
     fields = re.search(r"struct LqLayer \{[^}]*\}", src).group(0)
     # 11 pointers (LAYER_FIELDS, the k and v caches) and the kind, 8 bytes each
@@ -164,6 +173,9 @@ def test_the_host_mirrors_the_kernels_constants():
     ks = (KERNEL_DIR / cl.KS_SOURCE).read_text()  # its q|k|v shares weigh a Q6_K byte as layer_chunks does
     assert int(re.search(r"^#define NTX_LQ_Q6W (\d+)", ks, re.M).group(1)) == cl.Q6W_KS
     assert int(re.search(r"^#define NTX_LQ_Q6W (\d+)", src, re.M).group(1)) == 100
+    # the Q5_K dot is in the K-quant build alone (cuda_layers.KS_ONLY)
+    assert int(re.search(r"^#define NTX_LQ_Q5 (\d+)", ks, re.M).group(1)) == 1
+    assert int(re.search(r"^#define NTX_LQ_Q5 (\d+)", src, re.M).group(1)) == 0
 
 
 def test_the_gqa8_gpu_case_reaches_a_second_round_of_scores(synth, tmp_path):

@@ -1,8 +1,8 @@
 """The "stack" decode (backends/cuda_layers.py, native/cuda/layer_q8.cu: every layer of a one-token
 step in one persistent launch) against the numpy backend on synthetic models (all-Q8_0; Q4_K_M: Q4_K with
 Q6_K v and down rows; llama.cpp's Q4_K_M, whose v and down rows are Q6_K in some layers and Q4_K in the others: two
-type mixes in one launch; all-Q4_K), teacher-forced on numpy's greedy tokens so every step's logits are
-compared at the same inputs:
+type mixes in one launch; all-Q4_K; Q5_K_M, the synthetic and llama.cpp's), teacher-forced on numpy's greedy
+tokens so every step's logits are compared at the same inputs:
 - each decode step's logits within 3 x the numpy model's noise floor + 1e-3 (test_engine_gpu's
   prefill bound; the layer-by-layer CUDA path is held to the same bound in the same test);
 - free-running greedy tokens identical to numpy's up to the first near-tie;
@@ -39,10 +39,13 @@ CASES = [("tiny", "q8_0", 4, 5, 64), ("tiny", "q8_0", 3, 180, 256), ("small", "q
          ("wide", "q4_k_m", 2, 30, 64), ("wide", "q8_0", 2, 30, 64),
          # llama.cpp's Q4_K_M: small's 8 layers Q6_K (kind 0) at 0, 3, 6, 7, Q4_K (kind 1) between; wide's 4 layers Q4_K
          # (kind 0) at 0, 1, Q6_K (kind 1) at 2, 3
-         ("small", "q4_k_m_lcpp", 8, 40, 64), ("wide", "q4_k_m_lcpp", 4, 70, 128)]
+         ("small", "q4_k_m_lcpp", 8, 40, 64), ("wide", "q4_k_m_lcpp", 4, 70, 128),
+         # Q5_K (the K-quant build's dot): Q5_K with Q6_K v and down rows, and llama.cpp's Q5_K_M (two mixes)
+         ("small", "q5_k_m", 2, 25, 64), ("wide", "q5_k_m_lcpp", 4, 50, 64)]
 # the cases whose Q6_K down rows go as K slices (layer_q8_ks.cu's build: n_ff a multiple of 2048, K-quant matrices
 # only: cuda_layers.ks_fits); the rest load layer_q8.cu's
-KS_CASES = {("small", "q4_k_m"), ("wide", "q4_k_m"), ("small", "q4_k_m_lcpp"), ("wide", "q4_k_m_lcpp")}
+KS_CASES = {("small", "q4_k_m"), ("wide", "q4_k_m"), ("small", "q4_k_m_lcpp"), ("wide", "q4_k_m_lcpp"),
+            ("small", "q5_k_m"), ("wide", "q5_k_m_lcpp")}
 
 
 def _models(synth, tmp_path, shape, mix, layers, n_ctx, fuse):
