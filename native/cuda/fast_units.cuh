@@ -1,5 +1,5 @@
 // The dp4a decode of one 32-value unit of a weight block against int8 activations, for the types
-// of the common quant mixes (Q4_K, Q6_K, Q8_0), and the group sizes the row streaming of
+// of the common quant mixes (Q4_K, Q5_K, Q6_K, Q8_0), and the group sizes the row streaming of
 // matvec_fast.cuh stages them in: the unit decoders of fast_row.
 #pragma once
 #include "ntx_quants.cuh"
@@ -7,6 +7,9 @@
 // Blocks per group (overridable for tuning runs, cuda_nvrtc.TUNABLE).
 #ifndef NTX_G_Q4_K
 #define NTX_G_Q4_K 8
+#endif
+#ifndef NTX_G_Q5_K
+#define NTX_G_Q5_K 8
 #endif
 #ifndef NTX_G_Q6_K
 #define NTX_G_Q6_K 8
@@ -53,25 +56,47 @@ struct UnitX {
     float d, s;
 };
 
+template <bool C, class A, class B>
+struct ntx_cond {
+    typedef A T;
+};
+template <class A, class B>
+struct ntx_cond<false, A, B> {
+    typedef B T;
+};
+
 // Each F::unit returns one unit's dot product without the activation scale dx: the caller
 // multiplies by dx (and passes sx, the unit's int8 sum, for the block minimum of Q4_K).
-struct FastQ4_K {
-    typedef BlkQ4_K B;
-    static const int G = NTX_G_Q4_K;  // 8: 1152 bytes a group
+// Q4_K (Q5 false) and Q5_K: a unit's values are nibble j % 2 of the block's quant bytes 32 (j / 2).. (at 16; Q5_K's at
+// 48), Q5_K's plus a fifth bit, bit j of qh[l] for value l (qh: the 32 bytes after the 16-byte header, shared by the
+// block's 8 units): values 0..15 or 0..31, as int8 for dp4a.
+template <bool Q5>
+struct FastQK {
+    typedef typename ntx_cond<Q5, BlkQ5_K, BlkQ4_K>::T B;
+    static const int G = Q5 ? NTX_G_Q5_K : NTX_G_Q4_K;  // 8: 1152 (Q4_K), 1408 (Q5_K) bytes a group
     static __device__ __forceinline__ float unit(const uint8_t* b, int j, const int* x, float sx) {
         int sc, mn;
         ntx_k_scale_min(b + 4, j, &sc, &mn);
-        const uint4* q4 = reinterpret_cast<const uint4*>(b + 16 + 32 * (j / 2));  // 16-aligned
+        const uint4* q4 = reinterpret_cast<const uint4*>(b + (Q5 ? 48 : 16) + 32 * (j / 2));  // 16-aligned
         const uint4 qa = q4[0], qb = q4[1];
         const uint32_t q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+        uint32_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if constexpr (Q5) {
+            const uint4 ha = reinterpret_cast<const uint4*>(b + 16)[0], hb = reinterpret_cast<const uint4*>(b + 16)[1];
+            const uint32_t hw[8] = {ha.x, ha.y, ha.z, ha.w, hb.x, hb.y, hb.z, hb.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i) h[i] = ((hw[i] >> j) & 0x01010101u) << 4;
+        }
         const int shift = 4 * (j % 2);
         int s = 0;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) s = __dp4a((int)((q[i] >> shift) & 0x0F0F0F0Fu), x[i], s);
+        for (int i = 0; i < 8; ++i) s = __dp4a((int)(((q[i] >> shift) & 0x0F0F0F0Fu) | h[i]), x[i], s);
         const float d1 = NTX_MUL(ntx_ldh(b), (float)sc), m1 = NTX_MUL(ntx_ldh(b + 2), (float)mn);
         return d1 * (float)s - m1 * sx;
     }
 };
+typedef FastQK<false> FastQ4_K;
+typedef FastQK<true> FastQ5_K;
 
 struct FastQ6_K {
     typedef BlkQ6_K B;

@@ -1,4 +1,4 @@
-// Bandwidth-bound matvec for the types of the common quant mixes (Q4_K, Q6_K, Q8_0): integer dot
+// Bandwidth-bound matvec for the types of the common quant mixes (Q4_K, Q5_K, Q6_K, Q8_0): integer dot
 // products (__dp4a) of the raw weight quants against int8 activations, with the block scales
 // applied once per 32 values. Same function as matvec.cu (ggml's vec_dot on the quantized row),
 // rounded differently only in the float32 products and their summation order.
@@ -43,6 +43,8 @@ __device__ void matvec_fast(const uint8_t* __restrict__ W, const int8_t* __restr
 
 NTX_FAST(FastQ4_K, q4_k, 1)
 NTX_FAST(FastQ4_K, q4_k, 8)
+NTX_FAST(FastQ5_K, q5_k, 1)
+NTX_FAST(FastQ5_K, q5_k, 8)
 NTX_FAST(FastQ6_K, q6_k, 1)
 NTX_FAST(FastQ6_K, q6_k, 8)
 NTX_FAST(FastQ8_0, q8_0, 1)

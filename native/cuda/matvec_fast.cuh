@@ -48,11 +48,17 @@ constexpr bool fast_pair_order<FastQ6_KFused>() { return true; }
 #define NTX_Q6_ANY FastQ6_K
 #endif
 
-// Q4_K rows take matvec_reg.cuh's decode order where q4k_reg_order(k) (fast_row, fast_row_start, fast_row_pair).
+// Q4_K rows take matvec_reg.cuh's decode order where q4k_reg_order(k) (fast_row, fast_row_start, fast_row_pair);
+// Q5_K rows too (fast_row, fast_row_start: the fused kernels take no Q5_K), without the preload before the PDL wait (a
+// pass of Q5KW is 80 bytes, more than NTX_PRE_SLOTS' 64).
 template <class F>
 constexpr bool fast_q4k() { return false; }
 template <>
 constexpr bool fast_q4k<FastQ4_K>() { return true; }
+template <class F>
+constexpr bool fast_q5k() { return false; }
+template <>
+constexpr bool fast_q5k<FastQ5_K>() { return true; }
 
 template <class F>
 struct FastGroup {
@@ -206,7 +212,7 @@ static_assert(NTX_PRE_WAIT >= 0 && NTX_PRE_WAIT <= 2, "NTX_PRE_WAIT is 0, 1 or 2
 // A stage that fits every type's group (+ 16 bytes: ld8's ninth word), and the 16-byte chunks a
 // lane holds of the largest group.
 #define NTX_MAX3(a, b, c) ((a) > (b) ? ((a) > (c) ? (a) : (c)) : ((b) > (c) ? (b) : (c)))
-#define NTX_FAST_STAGE (NTX_MAX3(NTX_G_Q4_K * 144, NTX_G_Q6_K * 210, NTX_G_Q8_0 * 34) + 16)
+#define NTX_FAST_STAGE (NTX_MAX3(NTX_MAX3(NTX_G_Q4_K * 144, NTX_G_Q5_K * 176, 0), NTX_G_Q6_K * 210, NTX_G_Q8_0 * 34) + 16)
 #define NTX_CH_MAX ((NTX_FAST_STAGE - 16 + 511) / 512)
 #define NTX_PRE_SLOTS (NTX_CH_MAX * (NTX_PRE_WAIT > 1 ? NTX_PRE_WAIT : 1))  // registers a row's preload takes
 
@@ -223,6 +229,9 @@ __device__ __forceinline__ void fast_row_start(const uint8_t* __restrict__ W, in
             RegQ4K::load(wrow, 0, k / 256, lane, *reinterpret_cast<Q4KW*>(r));
             return;
         }
+    }
+    if constexpr (fast_q5k<F>()) {
+        if (q4k_reg_order(k)) return;  // reg_row_n loads its first pass itself
     }
     load_group<F>(r, wrow, min(FastGroup<F>::BYTES, row_bytes), lane);
     if (NTX_PRE_WAIT > 1 && FastGroup<F>::BYTES < row_bytes)
@@ -254,6 +263,12 @@ __device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row,
     if constexpr (fast_q4k<F>()) {
         if (q4k_reg_order(k)) {  // Q4_K rows in matvec_reg.cu's order (its one-row bits)
             reg_row_n<RegQ4K, N>(W, row, xq, xd, xs, k, n, acc, PRE ? reinterpret_cast<const Q4KW*>(pre) : nullptr, st);
+            return;
+        }
+    }
+    if constexpr (fast_q5k<F>()) {
+        if (q4k_reg_order(k)) {  // Q5_K rows in matvec_reg.cu's order too
+            reg_row_n<RegQ5K, N>(W, row, xq, xd, xs, k, n, acc, nullptr, st);
             return;
         }
     }
@@ -314,6 +329,7 @@ __device__ __forceinline__ void fast_row_pair(const uint8_t* __restrict__ Wa, co
                                               int row, const int8_t* __restrict__ xq, const float* __restrict__ xd,
                                               const float* __restrict__ xs, uint8_t* st, int k, float* a,
                                               float* b, const uint4* pre) {
+    static_assert(!fast_q5k<F>(), "the fused kernels take no Q5_K rows (cuda_kernels.FAST_CODES)");
     if constexpr (fast_q4k<F>()) {
         if (q4k_reg_order(k)) {  // one row after the other, as fast_row gives each
             fast_row<F, 1, NTX_PRE_WAIT != 0>(Wa, row, xq, xd, xs, st, k, 1, a, pre);
@@ -361,7 +377,8 @@ __device__ __forceinline__ void fast_row_pair(const uint8_t* __restrict__ Wa, co
 #define NTX_FT_Q6_K 1
 #define NTX_FT_Q8_0 2
 static_assert(FastGroup<FastQ4_K>::BYTES + 16 <= NTX_FAST_STAGE && FastGroup<FastQ6_K>::BYTES + 16 <= NTX_FAST_STAGE &&
-              FastGroup<FastQ8_0>::BYTES + 16 <= NTX_FAST_STAGE, "NTX_FAST_STAGE too small");
+              FastGroup<FastQ8_0>::BYTES + 16 <= NTX_FAST_STAGE && FastGroup<FastQ5_K>::BYTES + 16 <= NTX_FAST_STAGE,
+              "NTX_FAST_STAGE too small");
 
 // fast_row_start for a weight whose type is only known at run time.
 __device__ __forceinline__ void fast_row_start_any(int type, const uint8_t* W, int row, int k, uint4* r) {

@@ -1,4 +1,4 @@
-// Decode matvecs (one activation row) of Q4_K weights (and Q6_K rows of k <= 4096) with the activations in registers
+// Decode matvecs (one activation row) of Q4_K and Q5_K weights (and Q6_K rows of k <= 4096) with the activations in registers
 // (matvec_reg.cuh): the plain product, the gate/up pair with swiglu, and the q/k/v launch, whose
 // weights of other types take matvec_fast.cuh's one-warp rows in the same launch. Each gives a row
 // the bits matvecr_<type> gives it (and fast_row_any the bits matvecf_* gives a row of another
@@ -146,6 +146,8 @@ __device__ __forceinline__ void reg_multi(const uint8_t* W0, const uint8_t* W1, 
 
 NTX_REG_TYPE(RegQ4K, q4_k, 1)
 NTX_REG_TYPE(RegQ4K, q4_k, 2)
+NTX_REG_TYPE(RegQ5K, q5_k, 1)
+NTX_REG_TYPE(RegQ5K, q5_k, 2)
 #if NTX_Q6_PAIR
 NTX_REG_TYPE(RegQ6K, q6_k, 2)  // k <= 4096 only (WK = 1)
 #endif

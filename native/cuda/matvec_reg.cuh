@@ -1,4 +1,4 @@
-// The register-activation decode of Q4_K rows (one activation row): every lane decodes the same
+// The register-activation decode of Q4_K and Q5_K rows (one activation row): every lane decodes the same
 // two units of every row its warp streams, so it loads its int8 activations once a launch and
 // keeps them in registers (matvec_fast.cuh's lanes re-read a unit's activations from L1 for every
 // row: 32 bytes of int8 for each 16 bytes of Q4_K quants, and the wait on them was the Q4_K
@@ -44,9 +44,18 @@ __host__ __device__ __forceinline__ int reg_wk(int k) {
     return wk <= NTX_REG_WARPS ? wk : 0;
 }
 
-struct Q4KW {
-    uint4 h, qa, qb;  // header (d, dmin, scales), quant bytes 32c..32c+15, 32c+16..32c+31
+// A lane's loads of one block: Q4_K's header (d, dmin, scales) and quant bytes 32c..32c+15, 32c+16..32c+31; Q5_K's
+// (Q5 true: 176-byte blocks, the quant bytes at 48) also its 32 high-bit bytes, of which the lane takes bits 2c, 2c + 1.
+template <bool Q5>
+struct QKW {
+    uint4 h, qa, qb;
 };
+template <>
+struct QKW<true> {
+    uint4 h, ha, hb, qa, qb;  // ha, hb: qh bytes 0..15, 16..31
+};
+typedef QKW<false> Q4KW;
+typedef QKW<true> Q5KW;
 
 template <int PPW>
 struct Q4KActs {
@@ -103,32 +112,53 @@ __device__ __forceinline__ int q4k_unit_sum(const Q4KW& w, int hi, const int* x)
     return s;
 }
 
-// The pair's term from its two integer sums.
-__device__ __forceinline__ float q4k_combine(const Q4KW& w, int c, int s0, int s1, float xd, const int* xs) {
+// The pair's term from its two integer sums (h: the block's 16-byte header; Q5_K's is Q4_K's).
+__device__ __forceinline__ float q4k_combine(const uint4& h, int c, int s0, int s1, float xd, const int* xs) {
     int sc[2], mn[2];
-    q4k_scales(w.h, c, sc, mn);
+    q4k_scales(h, c, sc, mn);
     const int isum = sc[0] * s0 + sc[1] * s1, imin = mn[0] * xs[0] + mn[1] * xs[1];
-    const float d = ntx_h2f((uint16_t)(w.h.x & 0xFFFFu)), dmin = ntx_h2f((uint16_t)(w.h.x >> 16));
+    const float d = ntx_h2f((uint16_t)(h.x & 0xFFFFu)), dmin = ntx_h2f((uint16_t)(h.x >> 16));
     return xd * (d * (float)isum - dmin * (float)imin);
 }
 
-__device__ __forceinline__ float q4k_pair(const Q4KW& w, int c, const int* x, float xd, const int* xs) {
-    return q4k_combine(w, c, q4k_unit_sum(w, 0, x), q4k_unit_sum(w, 1, x + 8), xd, xs);
+__device__ __forceinline__ float qk_pair(const Q4KW& w, int c, const int* x, float xd, const int* xs) {
+    return q4k_combine(w.h, c, q4k_unit_sum(w, 0, x), q4k_unit_sum(w, 1, x + 8), xd, xs);
+}
+
+// Q5_K: lane c's units 2c and 2c + 1 take their fifth bits from bits 2c and 2c + 1 of all 32 qh bytes.
+__device__ __forceinline__ int q5k_unit_sum(const Q5KW& w, int hi, int bit, const int* x) {
+    const uint32_t q[8] = {w.qa.x, w.qa.y, w.qa.z, w.qa.w, w.qb.x, w.qb.y, w.qb.z, w.qb.w};
+    const uint32_t h[8] = {w.ha.x, w.ha.y, w.ha.z, w.ha.w, w.hb.x, w.hb.y, w.hb.z, w.hb.w};
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        s = __dp4a((int)(((q[i] >> (4 * hi)) & 0x0F0F0F0Fu) | (((h[i] >> bit) & 0x01010101u) << 4)), x[i], s);
+    return s;
+}
+
+__device__ __forceinline__ float qk_pair(const Q5KW& w, int c, const int* x, float xd, const int* xs) {
+    return q4k_combine(w.h, c, q5k_unit_sum(w, 0, 2 * c, x), q5k_unit_sum(w, 1, 2 * c + 1, x + 8), xd, xs);
 }
 
 // --- the types the teams stream: R::W, a pass's loads in flight; R::Acts<PPW>; load, acts, and
 // add, a pass's terms onto the lane's sum in the one order every kernel uses; RegQ4K::add_token,
 // reg_row_n's form with one token's activations loaded for it)
-struct RegQ4K {
-    typedef Q4KW W;
+template <bool Q5>
+struct RegQK {
+    typedef QKW<Q5> W;
     template <int PPW>
     using Acts = Q4KActs<PPW>;
-    static const int BYTES = 144;
+    static const int BYTES = Q5 ? 176 : 144, QS = Q5 ? 48 : 16;  // block bytes, where its quant bytes start
     static __device__ __forceinline__ void load(const uint8_t* __restrict__ wrow, int p, int nb, int lane, W& w) {
         if (!reg_on(p, nb, lane)) return;
-        const uint8_t* blk = wrow + 144 * (size_t)(8 * p + lane / 4);
-        const uint4* q = reinterpret_cast<const uint4*>(blk + 16 + 32 * (lane & 3));
-        w.h = __ldcs(reinterpret_cast<const uint4*>(blk));
+        const uint8_t* blk = wrow + BYTES * (size_t)(8 * p + lane / 4);  // 144, 176: every block 16-byte aligned
+        const uint4* b4 = reinterpret_cast<const uint4*>(blk);
+        const uint4* q = reinterpret_cast<const uint4*>(blk + QS + 32 * (lane & 3));
+        w.h = __ldcs(b4);
+        if constexpr (Q5) {
+            w.ha = __ldcs(b4 + 1);
+            w.hb = __ldcs(b4 + 2);
+        }
         w.qa = __ldcs(q);
         w.qb = __ldcs(q + 1);
     }
@@ -141,7 +171,7 @@ struct RegQ4K {
     template <int PPW>
     static __device__ __forceinline__ void add(float& acc, const W& w, const Acts<PPW>& a, int e, int p, int nb,
                                                int lane, uint8_t*) {
-        if (reg_on(p, nb, lane)) acc += q4k_pair(w, lane & 3, a.x[e], a.d[e], a.s[e]);
+        if (reg_on(p, nb, lane)) acc += qk_pair(w, lane & 3, a.x[e], a.d[e], a.s[e]);
     }
     static __device__ __forceinline__ void add_token(float& acc, const W& w, const int8_t* __restrict__ xq,
                                                      const float* __restrict__ xd, const float* __restrict__ xs,
@@ -151,6 +181,8 @@ struct RegQ4K {
         add<1>(acc, w, a, 0, p, nb, lane, nullptr);
     }
 };
+typedef RegQK<false> RegQ4K;
+typedef RegQK<true> RegQ5K;  // Q5_K rows: Q4_K's layout and order (units 2c and 2c + 1 of block lane / 4 of a pass)
 
 #if NTX_Q6_PAIR
 // Q6_K rows of at most two 8-block groups (k <= 4096: the output matrix, v; cuda_kernels.reg_shape)

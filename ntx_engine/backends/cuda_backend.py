@@ -14,7 +14,7 @@ next matmul's activation quantization as one: `add` of two same-shape arrays is 
 kernel; every other op launches the held add first (`flush`); "attn" the decode attention's last
 block also quantizes its output for the matmul that reads it (the o projection). Each fused kernel
 computes bit for bit what the unfused kernels compute. "stack" (not in "all") runs a one-token
-step's layers in one persistent launch where every layer matrix is Q8_0, Q4_K or Q6_K (`decode_stack`,
+step's layers in one persistent launch where every layer matrix is Q8_0, Q4_K, Q5_K or Q6_K (`decode_stack`,
 backends/cuda_layers.py): held to the numpy backend within tolerances, not bit for bit; "stack8" the
 same where every layer matrix is Q8_0 only. The default is "all,stack": at 8B the stack step is
 faster than the layer-by-layer kernels for Q8_0 (~10 %) and for Q4_K_M (1–3 %, docs/cuda.md, session 23).
@@ -29,9 +29,9 @@ import numpy as np
 from ntx_common.errors import CudaError, UnsupportedQuantError, UsageError
 from ntx_engine import quants
 from ntx_engine.backends.cuda_driver import DeviceArray, MemoryPool, Stream, Device, download, upload
-from ntx_engine.backends.cuda_kernels import (ATTN_CHUNK, BLOCK_ELEMENTS, KERNEL_TYPES, MATVEC_MAX_TOKENS, MMQ_TYPES,
-                                             CLUSTER_MAX_T, Kernels, fast_matvec_ok, gqa_split_ok,
-                                             grid_attn_shape, grid_cluster_size)
+from ntx_engine.backends.cuda_kernels import (ATTN_CHUNK, BLOCK_ELEMENTS, FAST_CODES, KERNEL_TYPES, MATVEC_MAX_TOKENS,
+                                             MMQ_TYPES, CLUSTER_MAX_T, Kernels, fast_matvec_ok, gqa_split_ok,
+                                             grid_attn_shape, grid_cluster_size, reg_shape)
 from ntx_engine.config import ROPE_NEOX, ModelConfig
 from ntx_engine.quants import GGMLType
 
@@ -226,7 +226,7 @@ class CudaBackend:
         """swiglu(matmul(w_gate, x), matmul(w_up, x)); with "ffn" one kernel when both are fast."""
         self.flush()
         n, k = x.shape
-        if "ffn" not in self.fuse or not self._fusable((w_gate, w_up), k) or w_gate.shape != w_up.shape \
+        if "ffn" not in self.fuse or not self._swiglu_fusable(w_gate, w_up, k, n) or w_gate.shape != w_up.shape \
                 or self._uses_mmq(w_gate, n) or self._uses_gemm(w_gate, n) or self._uses_gemm(w_up, n):
             return self.swiglu(self.matmul(w_gate, x), self.matmul(w_up, x))
         xq, (xd, xs) = self._int8_activations(w_gate, x)
@@ -238,9 +238,18 @@ class CudaBackend:
                                  xd[t0:t0 + m], xs[t0:t0 + m], y[t0:t0 + m], rows, k, m, self.stream)
         return y
 
+    def _swiglu_fusable(self, w_gate: CudaWeight, w_up: CudaWeight, k: int, n: int) -> bool:
+        """_fusable, or one row of Q5_K gate and up weights (matvec_reg.cu's matvecr_swiglu_q5_k; fused.cu has no
+        Q5_K)."""
+        if w_gate.ggml_type == w_up.ggml_type == GGMLType.Q5_K and n == 1 and self.uses_fast(w_gate) \
+                and self.uses_fast(w_up) and w_up.shape[1] == k:
+            return reg_shape(GGMLType.Q5_K, k, 1, self.k.reg) is not None
+        return self._fusable((w_gate, w_up), k)
+
     def _fusable(self, ws, k: int) -> bool:
-        """All of ws take the dp4a kernels, multiply rows of k, and share one activation format."""
-        return all(self.uses_fast(w) and w.shape[1] == k and (w.vec_dot_type, w.has_min)
+        """All of ws take the dp4a kernels and the fused ones (FAST_CODES), multiply rows of k, and share one activation
+        format."""
+        return all(self.uses_fast(w) and w.ggml_type in FAST_CODES and w.shape[1] == k and (w.vec_dot_type, w.has_min)
                    == (ws[0].vec_dot_type, ws[0].has_min) for w in ws)
 
     def _int8_activations(self, w: CudaWeight, x: DeviceArray) -> tuple:

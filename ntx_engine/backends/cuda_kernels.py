@@ -48,12 +48,13 @@ CLUSTER_MAX_T = 1024
 # "fast" (default): matvec_fast.cu's dp4a kernels for FAST_TYPES, "staged" for the others;
 # "staged": blocks copied to shared memory with wide loads, float decode; "direct": byte loads
 MATVEC_VARIANTS = {"fast": "matvec", "staged": "matvec", "direct": "matvecd"}
-# types with an int8 dp4a kernel (matvecf_<suffix>_n1/_n8 in matvec_fast.cu)
-FAST_TYPES: dict[GGMLType, str] = {GGMLType.Q4_K: "q4_k", GGMLType.Q6_K: "q6_k", GGMLType.Q8_0: "q8_0"}
+# types with an int8 dp4a kernel (matvecf_<suffix>_n1/_n8 in matvec_fast.cu); the fused kernels take FAST_CODES'
+FAST_TYPES: dict[GGMLType, str] = {GGMLType.Q4_K: "q4_k", GGMLType.Q5_K: "q5_k", GGMLType.Q6_K: "q6_k",
+                                   GGMLType.Q8_0: "q8_0"}
 FAST_ROWS_PER_BLOCK = 4  # NTX_FAST_WARPS in matvec_fast.cuh (fast_rows(): a tuning run may change it)
 MMQ_TYPES: dict[GGMLType, str] = {GGMLType.Q4_K: "q4_k", GGMLType.Q8_0: "q8_0"}  # mmq.cu's tensor-core prefill
 MMQ_TILE = 64  # NTX_MMQ_ROWS = NTX_MMQ_TOKENS in mmq.cu
-FAST_CODES = {GGMLType.Q4_K: 0, GGMLType.Q6_K: 1, GGMLType.Q8_0: 2}  # NTX_FT_* in matvec_fast.cuh
+FAST_CODES = {GGMLType.Q4_K: 0, GGMLType.Q6_K: 1, GGMLType.Q8_0: 2}  # NTX_FT_* in matvec_fast.cuh: fused.cu's types
 NORM_THREADS = 1024  # one block a row: a decode step's norm is one row, so latency is all that counts
 
 
@@ -83,11 +84,11 @@ def reg_build(defines: str | None = None) -> bool:
 def reg_shape(t: GGMLType, k: int, n: int, build: bool = True) -> tuple[int, int] | None:
     """(passes a warp PPW, warps a row WK) of matvec_reg.cu for n activation rows of k values
     (reg_ppw / reg_wk there), or None when its kernels do not take the product: they take one
-    row of Q4_K weights of at most 16 passes of 2048 values, or of Q6_K weights of one or two
+    row of Q4_K or Q5_K weights of at most 16 passes of 2048 values, or of Q6_K weights of one or two
     2048-value groups, in a build with them (reg_build).
     Every other kernel adds such rows in the same order (reg_row_n), so this picks the launch,
     never the bits."""
-    if not build or n != 1 or t not in (GGMLType.Q4_K, GGMLType.Q6_K) or k % 256:
+    if not build or n != 1 or t not in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K) or k % 256:
         return None
     if t == GGMLType.Q6_K:  # one warp a row of one or two groups: matvecf_q6_k's bits (matvec_reg.cuh)
         return (2, 1) if k % 2048 == 0 and k <= 4096 else None

@@ -55,7 +55,7 @@ def test_matvec_matches_numpy(cuda_backend, synth, t, n, variant):
     b.k.matvec_prefix, b.k.fast = "matvec", True
 
 
-FAST = [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0]
+FAST = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0]
 
 
 @pytest.mark.parametrize("vec_dot", [GGMLType.Q8_K, GGMLType.Q8_0])

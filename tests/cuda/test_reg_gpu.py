@@ -1,5 +1,5 @@
-"""matvec_reg.cu, the Q4_K (and Q6_K, k <= 4096) decode matvecs with the activations in registers, on the GPU: against
-the numpy backend (rel L2 < 2e-5, every dp4a matvec test's bound) over row widths of one to seven
+"""matvec_reg.cu, the Q4_K and Q5_K (and Q6_K, k <= 4096) decode matvecs with the activations in registers, on the
+GPU: against the numpy backend (rel L2 < 2e-5, every dp4a matvec test's bound) over row widths of one to seven
 passes, partial passes and odd row counts; and bit for bit against the kernels that must give
 its bits: the one-warp-a-row dp4a kernels (matvecf_<type>_n1), every row of a several-token product
 (speculative decoding's verify pass), the fused q/k/v and gate/up launches against the unfused
@@ -21,7 +21,8 @@ MATVEC_REL = 2e-5
 # rows x k: one warp two passes, a partial pass (k = 5120: three one-pass warps, the last half
 # empty), seven one-pass warps (the 8B down projection), a 1000-row grid, one pass
 SHAPES = [(T.Q4_K, 67, 4096), (T.Q4_K, 37, 5120), (T.Q4_K, 5, 14336), (T.Q4_K, 1000, 4096), (T.Q4_K, 3, 2048),
-          (T.Q4_K, 129, 6144), (T.Q6_K, 67, 4096), (T.Q6_K, 1000, 2048), (T.Q6_K, 3001, 4096)]
+          (T.Q4_K, 129, 6144), (T.Q6_K, 67, 4096), (T.Q6_K, 1000, 2048), (T.Q6_K, 3001, 4096),
+          (T.Q5_K, 67, 4096), (T.Q5_K, 37, 5120), (T.Q5_K, 5, 14336), (T.Q5_K, 1000, 2048)]
 
 
 def _nan(b, shape):
@@ -69,7 +70,8 @@ def test_reg_matvec_matches_numpy_and_the_warp_row_kernels(cuda_backend, synth, 
     assert np.array_equal(download(warp, b.stream)[0], one[0])
 
 
-@pytest.mark.parametrize("t,k", [(T.Q4_K, 14336), (T.Q6_K, 4096)], ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("t,k", [(T.Q4_K, 14336), (T.Q6_K, 4096), (T.Q5_K, 14336), (T.Q5_K, 4096)],
+                         ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("grid", [1, 7, 1000])
 def test_reg_values_do_not_depend_on_the_launch_shape(cuda_backend, synth, grid, t, k):
     b, rng = cuda_backend, np.random.default_rng(grid)
@@ -113,7 +115,8 @@ def test_reg_multi_equals_the_unfused_products(cuda_backend, synth, types, k):
         assert np.array_equal(download(y, b.stream), download(one, b.stream)), f"{t.name} rows of the multi launch"
 
 
-@pytest.mark.parametrize("tg,tu", [(T.Q4_K, T.Q4_K), (T.Q6_K, T.Q6_K), (T.Q4_K, T.Q6_K)], ids=lambda t: t.name)
+@pytest.mark.parametrize("tg,tu", [(T.Q4_K, T.Q4_K), (T.Q6_K, T.Q6_K), (T.Q4_K, T.Q6_K), (T.Q5_K, T.Q5_K)],
+                         ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,k", [(300, 4096), (77, 6144), (1000, 2048)])
 def test_reg_swiglu_equals_swiglu_of_the_products(cuda_backend, synth, rows, k, tg, tu):
     """One type: matvecr_swiglu (Q6_K up to k = 4096); otherwise fused.cu's matvecf_swiglu, whose
