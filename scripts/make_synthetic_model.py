@@ -88,7 +88,7 @@ MIXES = {
 
 # mix: {tensor-name suffix: type} in the layers llama.cpp's quantizer gives more bits (llama_tensor_get_type's
 # use_more_bits for Q4_K_M / Q5_K_M: the first and last eighth of the layers and every third between)
-MORE_BITS = {"q4_k_m_lcpp": {"attn_v": T.Q6_K, "ffn_down": T.Q6_K}, "q5_k_m_lcpp": {"attn_v": T.Q6_K, "ffn_down": T.Q6_K}}
+MORE_BITS = {m: {"attn_v": T.Q6_K, "ffn_down": T.Q6_K} for m in ("q4_k_m_lcpp", "q5_k_m_lcpp")}
 
 
 def more_bits(i: int, n: int) -> bool:

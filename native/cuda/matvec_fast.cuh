@@ -211,8 +211,9 @@ __device__ __forceinline__ void decode_group(const uint8_t* sg, int g0, int nb, 
 static_assert(NTX_PRE_WAIT >= 0 && NTX_PRE_WAIT <= 2, "NTX_PRE_WAIT is 0, 1 or 2 groups");
 // A stage that fits every type's group (+ 16 bytes: ld8's ninth word), and the 16-byte chunks a
 // lane holds of the largest group.
-#define NTX_MAX3(a, b, c) ((a) > (b) ? ((a) > (c) ? (a) : (c)) : ((b) > (c) ? (b) : (c)))
-#define NTX_FAST_STAGE (NTX_MAX3(NTX_MAX3(NTX_G_Q4_K * 144, NTX_G_Q5_K * 176, 0), NTX_G_Q6_K * 210, NTX_G_Q8_0 * 34) + 16)
+#define NTX_MAX2(a, b) ((a) > (b) ? (a) : (b))
+#define NTX_FAST_STAGE \
+    (NTX_MAX2(NTX_MAX2(NTX_G_Q4_K * 144, NTX_G_Q5_K * 176), NTX_MAX2(NTX_G_Q6_K * 210, NTX_G_Q8_0 * 34)) + 16)
 #define NTX_CH_MAX ((NTX_FAST_STAGE - 16 + 511) / 512)
 #define NTX_PRE_SLOTS (NTX_CH_MAX * (NTX_PRE_WAIT > 1 ? NTX_PRE_WAIT : 1))  // registers a row's preload takes
 

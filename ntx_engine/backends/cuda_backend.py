@@ -239,12 +239,10 @@ class CudaBackend:
         return y
 
     def _swiglu_fusable(self, w_gate: CudaWeight, w_up: CudaWeight, k: int, n: int) -> bool:
-        """_fusable, or one row of Q5_K gate and up weights (matvec_reg.cu's matvecr_swiglu_q5_k; fused.cu has no
-        Q5_K)."""
-        if w_gate.ggml_type == w_up.ggml_type == GGMLType.Q5_K and n == 1 and self.uses_fast(w_gate) \
-                and self.uses_fast(w_up) and w_up.shape[1] == k:
-            return reg_shape(GGMLType.Q5_K, k, 1, self.k.reg) is not None
-        return self._fusable((w_gate, w_up), k)
+        """_fusable, or gate and up weights of one type whose product matvec_reg.cu's matvecr_swiglu_<type> takes
+        (reg_shape: so Q5_K, which fused.cu lacks, for one token)."""
+        same = w_gate.ggml_type == w_up.ggml_type and all(self.uses_fast(w) and w.shape[1] == k for w in (w_gate, w_up))
+        return (same and reg_shape(w_gate.ggml_type, k, n, self.k.reg) is not None) or self._fusable((w_gate, w_up), k)
 
     def _fusable(self, ws, k: int) -> bool:
         """All of ws take the dp4a kernels and the fused ones (FAST_CODES), multiply rows of k, and share one activation
