@@ -48,17 +48,24 @@ constexpr bool fast_pair_order<FastQ6_KFused>() { return true; }
 #define NTX_Q6_ANY FastQ6_K
 #endif
 
-// Q4_K rows take matvec_reg.cuh's decode order where q4k_reg_order(k) (fast_row, fast_row_start, fast_row_pair);
-// Q5_K rows too (fast_row, fast_row_start: the fused kernels take no Q5_K), without the preload before the PDL wait (a
-// pass of Q5KW is 80 bytes, more than NTX_PRE_SLOTS' 64).
+// The register decode a type's rows take where q4k_reg_order(k) (fast_row, fast_row_start, fast_row_pair): R, none for
+// most types; Q4_K's and Q5_K's matvec_reg.cuh's order. PRE: its first pass is loaded before the PDL wait
+// (fast_row_start) — Q4_K's; a pass of Q5_K (80 bytes) is more than NTX_PRE_SLOTS' 64, and the fused kernels, which
+// pair rows (fast_row_pair), take no Q5_K.
 template <class F>
-constexpr bool fast_q4k() { return false; }
+struct FastReg {
+    static const bool ON = false, PRE = false;
+};
 template <>
-constexpr bool fast_q4k<FastQ4_K>() { return true; }
-template <class F>
-constexpr bool fast_q5k() { return false; }
+struct FastReg<FastQ4_K> {
+    typedef RegQ4K R;
+    static const bool ON = true, PRE = true;
+};
 template <>
-constexpr bool fast_q5k<FastQ5_K>() { return true; }
+struct FastReg<FastQ5_K> {
+    typedef RegQ5K R;
+    static const bool ON = true, PRE = false;
+};
 
 template <class F>
 struct FastGroup {
@@ -224,15 +231,15 @@ __device__ __forceinline__ void fast_row_start(const uint8_t* __restrict__ W, in
     static_assert(FastGroup<F>::CH <= NTX_CH_MAX, "NTX_CH_MAX too small");
     const int row_bytes = k / F::B::QK * F::B::BYTES, lane = threadIdx.x & 31;
     const uint8_t* wrow = W + (size_t)row * row_bytes;
-    if constexpr (fast_q4k<F>()) {
-        if (q4k_reg_order(k)) {  // reg_row_n's first pass
-            static_assert(sizeof(Q4KW) <= NTX_PRE_SLOTS * sizeof(uint4), "a Q4_K pass fits the preload");
-            RegQ4K::load(wrow, 0, k / 256, lane, *reinterpret_cast<Q4KW*>(r));
+    if constexpr (FastReg<F>::ON) {
+        if (q4k_reg_order(k)) {  // reg_row_n's first pass (without the preload: reg_row_n loads it itself)
+            if constexpr (FastReg<F>::PRE) {
+                typedef typename FastReg<F>::R R;
+                static_assert(sizeof(typename R::W) <= NTX_PRE_SLOTS * sizeof(uint4), "a pass fits the preload");
+                R::load(wrow, 0, k / 256, lane, *reinterpret_cast<typename R::W*>(r));
+            }
             return;
         }
-    }
-    if constexpr (fast_q5k<F>()) {
-        if (q4k_reg_order(k)) return;  // reg_row_n loads its first pass itself
     }
     load_group<F>(r, wrow, min(FastGroup<F>::BYTES, row_bytes), lane);
     if (NTX_PRE_WAIT > 1 && FastGroup<F>::BYTES < row_bytes)
@@ -261,15 +268,11 @@ template <class F, int N, bool PRE = false>
 __device__ __forceinline__ void fast_row(const uint8_t* __restrict__ W, int row, const int8_t* __restrict__ xq,
                                          const float* __restrict__ xd, const float* __restrict__ xs,
                                          uint8_t* st, int k, int n, float* acc, const uint4* pre = nullptr) {
-    if constexpr (fast_q4k<F>()) {
-        if (q4k_reg_order(k)) {  // Q4_K rows in matvec_reg.cu's order (its one-row bits)
-            reg_row_n<RegQ4K, N>(W, row, xq, xd, xs, k, n, acc, PRE ? reinterpret_cast<const Q4KW*>(pre) : nullptr, st);
-            return;
-        }
-    }
-    if constexpr (fast_q5k<F>()) {
-        if (q4k_reg_order(k)) {  // Q5_K rows in matvec_reg.cu's order too
-            reg_row_n<RegQ5K, N>(W, row, xq, xd, xs, k, n, acc, nullptr, st);
+    if constexpr (FastReg<F>::ON) {
+        if (q4k_reg_order(k)) {  // Q4_K / Q5_K rows in matvec_reg.cu's order (its one-row bits)
+            typedef typename FastReg<F>::R R;
+            reg_row_n<R, N>(W, row, xq, xd, xs, k, n, acc,
+                            PRE && FastReg<F>::PRE ? reinterpret_cast<const typename R::W*>(pre) : nullptr, st);
             return;
         }
     }
@@ -330,8 +333,8 @@ __device__ __forceinline__ void fast_row_pair(const uint8_t* __restrict__ Wa, co
                                               int row, const int8_t* __restrict__ xq, const float* __restrict__ xd,
                                               const float* __restrict__ xs, uint8_t* st, int k, float* a,
                                               float* b, const uint4* pre) {
-    static_assert(!fast_q5k<F>(), "the fused kernels take no Q5_K rows (cuda_kernels.FAST_CODES)");
-    if constexpr (fast_q4k<F>()) {
+    static_assert(FastReg<F>::PRE || !FastReg<F>::ON, "the fused kernels take no Q5_K rows (cuda_kernels.FAST_CODES)");
+    if constexpr (FastReg<F>::ON) {
         if (q4k_reg_order(k)) {  // one row after the other, as fast_row gives each
             fast_row<F, 1, NTX_PRE_WAIT != 0>(Wa, row, xq, xd, xs, st, k, 1, a, pre);
             fast_row<F, 1, NTX_PRE_WAIT != 0>(Wb, row, xq, xd, xs, st, k, 1, b, pre + NTX_PRE_SLOTS);
