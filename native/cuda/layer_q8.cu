@@ -314,7 +314,7 @@ __device__ __forceinline__ int lq_rows(const LqArgs& a, int ph) {
 #define LQ_Q4_K 1  // 144-byte blocks of 256 values: d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
 #define LQ_Q6_K 2  // 210-byte blocks of 256 values: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d
 #define LQ_Q5_K 3  // 176-byte blocks of 256 values: d, dmin, Q4_K's 12 bytes of scales and minimums, 32 of high bits, 128 of nibbles
-// NTX_LQ_Q5 1: a build with the Q5_K dot (layer_q8_ks.cu's; the other build traps on a Q5_K matrix: cuda_layers.ks_fits)
+// NTX_LQ_Q5 1: a build with the Q5_K dot (layer_q8_ks5.cu's; the others trap on a Q5_K matrix: cuda_layers.stack_source)
 #ifndef NTX_LQ_Q5
 #define NTX_LQ_Q5 0
 #endif

@@ -1,5 +1,6 @@
 """The "stack" decode: a one-token step's layers in one persistent launch (native/cuda/layer_q8.cu; layer_q8_ks.cu
-builds it with Q6_K down rows as K slices and the Q5_K dot, for the models ks_fits names).
+builds it with Q6_K down rows as K slices for the models ks_fits names, layer_q8_ks5.cu that with the Q5_K dot for
+those with Q5_K matrices: stack_source).
 
 One block an SM runs every layer; a ring of shared-memory slots is kept filled with the block's
 next weight rows by bulk copies, so the weights stream while the norms, the attention and the
@@ -21,7 +22,8 @@ from ntx_engine.config import ROPE_NEOX, ModelConfig
 from ntx_engine.quants import GGMLType, tensor_nbytes
 
 SOURCE = "layer_q8.cu"
-KS_SOURCE = "layer_q8_ks.cu"  # the same kernel built with Q6_K down rows as K slices (NTX_LQ_KS=4), Q5_K: ks_fits
+KS_SOURCE = "layer_q8_ks.cu"  # the same kernel built with Q6_K down rows as K slices (NTX_LQ_KS=4): ks_fits
+KS5_SOURCE = "layer_q8_ks5.cu"  # that build with the Q5_K dot (NTX_LQ_Q5), for models with Q5_K matrices
 THREADS = 512  # LQ_THREADS: the consumer threads
 BLOCK = THREADS + 32  # LQ_BLOCK: and the producer warp
 SLOTS, SLOT = 4, 34832  # LQ_SLOTS, LQ_SLOT: the weight ring
@@ -45,7 +47,7 @@ GROUPS = 2  # LQ_GROUPS: consumer warp groups (chunk i: group i % GROUPS)
 GROUP_WARPS = THREADS // 32 // GROUPS  # LQ_GW
 # The weight types of the kernel's matrices (LQ_Q8_0, LQ_Q4_K, LQ_Q6_K, LQ_Q5_K: its `types` word, a nibble a matrix).
 TYPE_CODES = {GGMLType.Q8_0: 0, GGMLType.Q4_K: 1, GGMLType.Q6_K: 2, GGMLType.Q5_K: 3}
-KS_ONLY = (GGMLType.Q5_K,)  # the types only layer_q8_ks.cu's build has a dot for (NTX_LQ_Q5)
+KS_ONLY = (GGMLType.Q5_K,)  # the types only the K-quant build has a dot for (NTX_LQ_Q5: layer_q8_ks5.cu)
 HEAD_DIMS = (64, 128)  # the kernels built (layer_q8_hd64, layer_q8_hd128)
 LAYER_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm", "ffn_norm")  # + k, v caches
 
@@ -80,13 +82,21 @@ def ks_shape(cfg: ModelConfig, down: GGMLType) -> bool:
 
 
 def ks_fits(cfg: ModelConfig, mixes: list[tuple]) -> bool:
-    """Whether the model loads layer_q8_ks.cu's build, whose Q6_K down rows go as K slices (Q8_0 rows gained nothing
-    that way) and which alone has the Q5_K dot: a type mix with Q6_K down rows of a shape that can or with a Q5_K
+    """Whether the model loads the K-quant build (layer_q8_ks.cu, or layer_q8_ks5.cu with the Q5_K dot: stack_source),
+    whose Q6_K down rows go as K slices (Q8_0 rows gained nothing that way) and which alone has the Q5_K dot: a type mix with Q6_K down rows of a shape that can or with a Q5_K
     matrix, and K-quant matrices only in every mix (the build has no Q8_0 dot; a mix with Q4_K or Q5_K down rows takes
     them whole). mixes: the layers' type mixes (layer_mixes), each the 7 matrices' types (LAYER_FIELDS[:7]), down
     last."""
     return (any((t[6] == GGMLType.Q6_K and ks_shape(cfg, t[6])) or any(x in KS_ONLY for x in t) for t in mixes)
             and all(GGMLType.Q8_0 not in t for t in mixes))
+
+
+def stack_source(cfg: ModelConfig, mixes: list[tuple]) -> str:
+    """The build of the stack kernel the model loads: the K-quant build where ks_fits, with the Q5_K dot where a layer
+    has a Q5_K matrix (in the one build that dot's branch cost Q4_K_M 2 %), else layer_q8.cu's."""
+    if not ks_fits(cfg, mixes):
+        return SOURCE
+    return KS5_SOURCE if any(x in KS_ONLY for t in mixes for x in t) else KS_SOURCE
 
 
 def layer_mixes(layers: list) -> tuple[list[tuple], list[int]]:
@@ -203,7 +213,7 @@ class StackDecode:
         self.smem = stack_smem(cfg.head_dim, self.group)
         # the build with the K-slice down rows where they apply (the other build runs a Q8_0 model 3 % faster)
         self.mixes, self.kinds = layer_mixes(layers)
-        self.source = KS_SOURCE if ks_fits(cfg, self.mixes) else SOURCE
+        self.source = stack_source(cfg, self.mixes)
         # each kind's types word (a kind the layers do not have: the first's, which the kernel also takes)
         words = [sum(TYPE_CODES[t] << (4 * i) for i, t in enumerate(m)) for m in self.mixes]
         self.types = (words + words[:1] * KINDS)[:KINDS]

@@ -16,14 +16,15 @@ from ntx_common.errors import CudaError
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "native" / "cuda"
 SOURCES = ("matvec.cu", "matvec_fast.cu", "fused.cu", "mmq.cu", "dequant.cu", "ops.cu", "attention.cu",
-           "attn_grid.cu", "matvec_reg.cu", "layer_q8.cu", "layer_q8_ks.cu")
+           "attn_grid.cu", "matvec_reg.cu", "layer_q8.cu", "layer_q8_ks.cu", "layer_q8_ks5.cu")
 OPTIONS = ("-std=c++17", "-default-device", "-lineinfo")
 # the decode step's macros (the dp4a matvec's launch shape NTX_G_*, NTX_FAST_WARPS, NTX_FAST_MINB,
 # NTX_SWIGLU_MINB; NTX_PRE_WAIT, NTX_SWIGLU_PAIR, NTX_Q6_PAIR: matvec_fast.cuh, fused.cu; the grid
 # attention's NTX_AG_PRE_WAIT: attn_grid.cu; NTX_REG=0: the build without matvec_reg.cuh's decode,
 # which the host reads too: cuda_kernels.reg_build) can be set for a tuning run with
 # NTX_CUDA_DEFINES="-DNAME=VALUE ..."; they apply to these sources only
-TUNABLE = ("matvec_fast.cu", "fused.cu", "attn_grid.cu", "matvec_reg.cu", "layer_q8.cu", "layer_q8_ks.cu")
+TUNABLE = ("matvec_fast.cu", "fused.cu", "attn_grid.cu", "matvec_reg.cu", "layer_q8.cu", "layer_q8_ks.cu",
+           "layer_q8_ks5.cu")
 
 
 def options(source: str) -> tuple[str, ...]:

@@ -145,16 +145,17 @@ def test_cache_reuses_cubin_and_keys_on_source(tmp_path):
 
 
 def test_a_source_built_from_another_is_keyed_on_both(tmp_path):
-    """layer_q8_ks.cu includes layer_q8.cu (the stack kernel with other macros): a change to layer_q8.cu is a new key
-    for both, and no change to a source that includes neither."""
+    """layer_q8_ks.cu includes layer_q8.cu (the stack kernel with other macros) and layer_q8_ks5.cu includes
+    layer_q8_ks.cu: a change to layer_q8.cu is a new key for all three, and no change to a source that includes none."""
     kdir = tmp_path / "kernels"
     shutil.copytree(cuda_nvrtc.KERNEL_DIR, kdir)
     assert cuda_nvrtc.included_sources("layer_q8_ks.cu", kdir) == ["layer_q8.cu"]
-    names = ("layer_q8_ks.cu", "layer_q8.cu", "attention.cu")
+    assert cuda_nvrtc.included_sources("layer_q8_ks5.cu", kdir) == ["layer_q8.cu", "layer_q8_ks.cu"]
+    names = ("layer_q8_ks5.cu", "layer_q8_ks.cu", "layer_q8.cu", "attention.cu")
     before = {s: cuda_nvrtc.cache_key(s, "sm_90", kdir) for s in names}
     (kdir / "layer_q8.cu").write_text((kdir / "layer_q8.cu").read_text() + "\n// changed\n")
     after = {s: cuda_nvrtc.cache_key(s, "sm_90", kdir) for s in names}
-    assert after["layer_q8_ks.cu"] != before["layer_q8_ks.cu"] and after["layer_q8.cu"] != before["layer_q8.cu"]
+    assert all(after[s] != before[s] for s in names[:3])
     assert after["attention.cu"] == before["attention.cu"]
 
 

@@ -71,6 +71,23 @@ def test_the_k_quant_build_takes_q6_k_down_rows_in_k_quant_layers_only():
     assert ks_fits(_cfg(), [types(wq=GGMLType.Q5_K, wk=GGMLType.Q5_K)])
 
 
+def test_each_model_loads_the_build_with_only_the_dots_it_needs():
+    """stack_source: a Q5_K matrix anywhere loads the K-quant build with the Q5_K dot (layer_q8_ks5.cu); other K-quant
+    models the one without it (its branch cost Q4_K_M 2 %); a Q8_0 matrix layer_q8.cu's build."""
+    from ntx_engine.backends.cuda_layers import KS5_SOURCE, KS_SOURCE, SOURCE, stack_source
+
+    def types(**kw):
+        return tuple(kw.get(n, Q4_K_M.get(n, GGMLType.Q4_K)) for n in NAMES)
+    q4_lcpp = [types(), types(wv=GGMLType.Q4_K, w_down=GGMLType.Q4_K)]
+    assert stack_source(_cfg(), [types()]) == KS_SOURCE
+    assert stack_source(_cfg(), q4_lcpp) == KS_SOURCE
+    q5 = {n: GGMLType.Q5_K for n in NAMES if n not in ("wv", "w_down")}
+    assert stack_source(_cfg(), [types(**q5), types(**q5, wv=GGMLType.Q5_K, w_down=GGMLType.Q5_K)]) == KS5_SOURCE
+    assert stack_source(_cfg(), [types(), types(wq=GGMLType.Q5_K)]) == KS5_SOURCE  # in the second mix alone
+    assert stack_source(_cfg(), [tuple(GGMLType.Q8_0 for _ in NAMES)]) == SOURCE
+    assert stack_source(_cfg(), [types(wv=GGMLType.Q8_0)]) == SOURCE
+
+
 def test_llama_cpps_q4_k_m_is_two_type_mixes_the_kernel_takes():
     """A real Q4_K_M file (llama.cpp's use_more_bits: attn_v and ffn_down Q6_K in 16 of Llama-3-8B's 32 layers) has
     two type mixes: each layer's kind names its mix, the chunk lists are bounded by the larger mix's, and a third mix
@@ -173,8 +190,11 @@ def test_the_host_mirrors_the_kernels_constants():
     ks = (KERNEL_DIR / cl.KS_SOURCE).read_text()  # its q|k|v shares weigh a Q6_K byte as layer_chunks does
     assert int(re.search(r"^#define NTX_LQ_Q6W (\d+)", ks, re.M).group(1)) == cl.Q6W_KS
     assert int(re.search(r"^#define NTX_LQ_Q6W (\d+)", src, re.M).group(1)) == 100
-    # the Q5_K dot is in the K-quant build alone (cuda_layers.KS_ONLY)
-    assert int(re.search(r"^#define NTX_LQ_Q5 (\d+)", ks, re.M).group(1)) == 1
+    # the Q5_K dot is in the K-quant build with it alone (cuda_layers.KS_ONLY, KS5_SOURCE), which includes the other
+    ks5 = (KERNEL_DIR / cl.KS5_SOURCE).read_text()
+    assert int(re.search(r"^#define NTX_LQ_Q5 (\d+)", ks5, re.M).group(1)) == 1
+    assert re.search(r'^#include "(\S+)"', ks5, re.M).group(1) == cl.KS_SOURCE
+    assert int(re.search(r"^#define NTX_LQ_Q5 (\d+)", ks, re.M).group(1)) == 0
     assert int(re.search(r"^#define NTX_LQ_Q5 (\d+)", src, re.M).group(1)) == 0
 
 

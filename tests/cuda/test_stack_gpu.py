@@ -43,9 +43,10 @@ CASES = [("tiny", "q8_0", 4, 5, 64), ("tiny", "q8_0", 3, 180, 256), ("small", "q
          # Q5_K (the K-quant build's dot): Q5_K with Q6_K v and down rows, and llama.cpp's Q5_K_M (two mixes)
          ("small", "q5_k_m", 2, 25, 64), ("wide", "q5_k_m_lcpp", 4, 50, 64)]
 # the cases whose Q6_K down rows go as K slices (layer_q8_ks.cu's build: n_ff a multiple of 2048, K-quant matrices
-# only: cuda_layers.ks_fits); the rest load layer_q8.cu's
-KS_CASES = {("small", "q4_k_m"), ("wide", "q4_k_m"), ("small", "q4_k_m_lcpp"), ("wide", "q4_k_m_lcpp"),
-            ("small", "q5_k_m"), ("wide", "q5_k_m_lcpp")}
+# only: cuda_layers.ks_fits; with Q5_K matrices that build with the Q5_K dot, layer_q8_ks5.cu); the rest load
+# layer_q8.cu's
+KS_CASES = {("small", "q4_k_m"), ("wide", "q4_k_m"), ("small", "q4_k_m_lcpp"), ("wide", "q4_k_m_lcpp")}
+KS5_CASES = {("small", "q5_k_m"), ("wide", "q5_k_m_lcpp")}
 
 
 def _models(synth, tmp_path, shape, mix, layers, n_ctx, fuse):
@@ -101,10 +102,11 @@ def test_stack_decode_matches_numpy(cuda_backend, synth, tmp_path, shape, mix, l
     # the first launch listed every block's ring chunks of each kind its layers have for the later ones: a count (the
     # first word) in the bound; none for a kind the layers do not have
     from ntx_engine.backends.cuda_driver import download
-    from ntx_engine.backends.cuda_layers import CHUNK_MAX, KINDS, KS_SOURCE, LAYER_FIELDS, SOURCE, layer_chunks
+    from ntx_engine.backends.cuda_layers import CHUNK_MAX, KINDS, KS5_SOURCE, KS_SOURCE, LAYER_FIELDS, SOURCE, layer_chunks
 
     st, b = stack.backend.stack, stack.backend
-    assert st.source == (KS_SOURCE if (shape, mix) in KS_CASES else SOURCE), st.source
+    assert st.source == (KS_SOURCE if (shape, mix) in KS_CASES else KS5_SOURCE if (shape, mix) in KS5_CASES
+                         else SOURCE), st.source
     counts = download(st.lists, b.stream).reshape(st.blocks, KINDS, CHUNK_MAX + 1)[:, :, 0] & 0xFFFFFFFF
     mixes = []
     for lw in stack.w.layers:
