@@ -216,6 +216,25 @@ def test_the_gqa8_gpu_case_reaches_a_second_round_of_scores(synth, tmp_path):
     assert chunks == 16 and per_chunk * (cfg.n_head // cfg.n_head_kv) > THREADS // 4
 
 
+def test_a_tuning_run_may_cap_the_context_chunks(monkeypatch):
+    """-DNTX_LQ_ACH=N in NTX_CUDA_DEFINES caps the context chunks a KV head (a tuning run: fewer partials to combine),
+    never above what the SMs give each KV head; a value that is no count is refused with the define named."""
+    from ntx_common.errors import CudaError
+    from ntx_engine.backends.cuda_layers import stack_chunks
+
+    monkeypatch.delenv("NTX_CUDA_DEFINES", raising=False)
+    assert stack_chunks(_cfg(), H200["sm_count"]) == 132 // 8
+    for value, chunks in (("4", 4), ("1", 1), ("64", 16)):
+        monkeypatch.setenv("NTX_CUDA_DEFINES", f"-DNTX_FAST_WARPS=8 -DNTX_LQ_ACH={value}")
+        assert stack_chunks(_cfg(), H200["sm_count"]) == chunks
+    monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_LQ_ACH=4")
+    assert stack_unfit(_cfg(), _layers(), 4096, **H200) is None  # 1024 positions a chunk: the scores still fit
+    for bad in ("0", "x", "-2"):
+        monkeypatch.setenv("NTX_CUDA_DEFINES", f"-DNTX_LQ_ACH={bad}")
+        with pytest.raises(CudaError, match="NTX_LQ_ACH"):
+            stack_chunks(_cfg(), H200["sm_count"])
+
+
 def test_the_gqa3_gpu_case_is_an_odd_group_the_stack_step_takes(synth, tmp_path):
     """test_stack_gpu's "gqa3" case (12 heads of 64, 4 KV: SmolLM2's group of 3) runs the stack step on the H200 with
     an odd group of query heads a KV head: the combine's path for partials that are not whole 16-byte pieces
