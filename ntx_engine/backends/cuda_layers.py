@@ -85,10 +85,10 @@ def ks_shape(cfg: ModelConfig, down: GGMLType) -> bool:
 
 def ks_fits(cfg: ModelConfig, mixes: list[tuple]) -> bool:
     """Whether the model loads the K-quant build (layer_q8_ks.cu, or layer_q8_ks5.cu with the Q5_K dot: stack_source),
-    whose Q6_K down rows go as K slices (Q8_0 rows gained nothing that way) and which alone has the Q5_K dot: a type mix with Q6_K down rows of a shape that can or with a Q5_K
-    matrix, and K-quant matrices only in every mix (the build has no Q8_0 dot; a mix with Q4_K or Q5_K down rows takes
-    them whole). mixes: the layers' type mixes (layer_mixes), each the 7 matrices' types (LAYER_FIELDS[:7]), down
-    last."""
+    whose Q6_K down rows go as K slices (Q8_0 rows gained nothing that way) and which alone has the Q5_K dot: a type
+    mix with Q6_K down rows of a shape that can or with a Q5_K matrix, and K-quant matrices only in every mix (the build
+    has no Q8_0 dot; a mix with Q4_K or Q5_K down rows takes them whole). mixes: the layers' type mixes (layer_mixes),
+    each the 7 matrices' types (LAYER_FIELDS[:7]), down last."""
     return (any((t[6] == GGMLType.Q6_K and ks_shape(cfg, t[6])) or any(x in KS_ONLY for x in t) for t in mixes)
             and all(GGMLType.Q8_0 not in t for t in mixes))
 

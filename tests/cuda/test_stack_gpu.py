@@ -102,7 +102,8 @@ def test_stack_decode_matches_numpy(cuda_backend, synth, tmp_path, shape, mix, l
     # the first launch listed every block's ring chunks of each kind its layers have for the later ones: a count (the
     # first word) in the bound; none for a kind the layers do not have
     from ntx_engine.backends.cuda_driver import download
-    from ntx_engine.backends.cuda_layers import CHUNK_MAX, KINDS, KS5_SOURCE, KS_SOURCE, LAYER_FIELDS, SOURCE, layer_chunks
+    from ntx_engine.backends.cuda_layers import (CHUNK_MAX, KINDS, KS5_SOURCE, KS_SOURCE, LAYER_FIELDS, SOURCE,
+                                                 layer_chunks)
 
     st, b = stack.backend.stack, stack.backend
     assert st.source == (KS_SOURCE if (shape, mix) in KS_CASES else KS5_SOURCE if (shape, mix) in KS5_CASES
