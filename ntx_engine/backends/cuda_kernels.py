@@ -64,10 +64,8 @@ def _cdiv(a: int, b: int) -> int:
 
 def fast_rows() -> int:
     """Rows per block of the dp4a kernels: NTX_FAST_WARPS as the kernels were compiled with it."""
-    for d in os.environ.get("NTX_CUDA_DEFINES", "").split():
-        if d.startswith("-DNTX_FAST_WARPS="):
-            return int(d.split("=", 1)[1])
-    return FAST_ROWS_PER_BLOCK
+    value = cuda_nvrtc.define_value("NTX_FAST_WARPS")
+    return int(value) if value is not None else FAST_ROWS_PER_BLOCK
 
 
 REG_WARPS = 8  # NTX_REG_WARPS in matvec_reg.cuh: warps a block of the register-activation kernels

@@ -15,11 +15,10 @@ argmax) after it.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from ntx_engine.backends.cuda_driver import DeviceArray, check, download, driver, upload
+from ntx_engine.backends.cuda_nvrtc import define_value
 from ntx_engine.config import ROPE_NEOX, ModelConfig
 from ntx_engine.quants import GGMLType, tensor_nbytes
 
@@ -151,15 +150,15 @@ def stack_chunks(cfg: ModelConfig, sm_count: int) -> int:
     NTX_CUDA_DEFINES names -DNTX_LQ_ACH=N (a tuning run's cap: fewer, longer chunks and fewer partials to combine; the
     kernel takes the count from its arguments, the macro only keys the build)."""
     chunks = max(1, min(MAX_CHUNKS, sm_count // cfg.n_head_kv))
-    for d in os.environ.get("NTX_CUDA_DEFINES", "").split():
-        if d.startswith("-DNTX_LQ_ACH="):
-            value = d.split("=", 1)[1]
-            if not value.isdigit() or int(value) < 1:
-                from ntx_common.errors import CudaError
+    value = define_value("NTX_LQ_ACH")
+    if value is None:
+        return chunks
+    if not value.isdigit() or int(value) < 1:
+        from ntx_common.errors import CudaError
 
-                raise CudaError(f"NTX_CUDA_DEFINES: {d} must name a whole number of context chunks, at least 1")
-            chunks = min(chunks, int(value))
-    return chunks
+        raise CudaError(f"NTX_CUDA_DEFINES: -DNTX_LQ_ACH={value} must name a whole number of context chunks, at "
+                        "least 1")
+    return min(chunks, int(value))
 
 
 def stack_unfit(cfg: ModelConfig, layers: list, n_ctx: int, cc: tuple[int, int], sm_count: int,

@@ -27,6 +27,15 @@ TUNABLE = ("matvec_fast.cu", "fused.cu", "attn_grid.cu", "matvec_reg.cu", "layer
            "layer_q8_ks5.cu")
 
 
+def define_value(name: str) -> str | None:
+    """The value NTX_CUDA_DEFINES gives macro `name` (-D<name>=V: the first such), None where it sets none: the tuning
+    macros the host must mirror (cuda_kernels.fast_rows, cuda_layers.stack_chunks)."""
+    for d in os.environ.get("NTX_CUDA_DEFINES", "").split():
+        if d.startswith(f"-D{name}="):
+            return d.split("=", 1)[1]
+    return None
+
+
 def options(source: str) -> tuple[str, ...]:
     defines = os.environ.get("NTX_CUDA_DEFINES", "").split() if source in TUNABLE else []
     bad = [d for d in defines if not d.startswith("-DNTX_")]

@@ -368,3 +368,15 @@ def test_latency_bound_kernels_load_before_the_pdl_wait(monkeypatch, macro, sour
     body = body[: body.index("\n}\n")]
     before = body[: body.rindex("griddepcontrol.wait")].count("ld.global")
     assert (before >= 8) if pre else (before == 0), f"{kernel}: {before} global loads before the wait"
+
+
+def test_the_host_reads_a_tuning_macro_as_the_kernels_are_built_with_it(monkeypatch):
+    """define_value: what NTX_CUDA_DEFINES gives a macro (the first -D of it), None where it sets none; the dp4a
+    kernels' rows a block follow NTX_FAST_WARPS through it."""
+    from ntx_engine.backends.cuda_kernels import FAST_ROWS_PER_BLOCK, fast_rows
+
+    monkeypatch.delenv("NTX_CUDA_DEFINES", raising=False)
+    assert cuda_nvrtc.define_value("NTX_FAST_WARPS") is None and fast_rows() == FAST_ROWS_PER_BLOCK
+    monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_FAST_WARPSX=3 -DNTX_FAST_WARPS=16 -DNTX_FAST_WARPS=4")
+    assert cuda_nvrtc.define_value("NTX_FAST_WARPS") == "16" and fast_rows() == 16
+    assert cuda_nvrtc.define_value("NTX_FAST_MINB") is None
