@@ -733,17 +733,17 @@ __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict
         v[j] = lq_f4(x, c, c < k / 4);
         wv[j] = c < k / 4 ? __ldg(reinterpret_cast<const float4*>(w) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-#if NTX_LQ_NORMX
-    // (a warp-uniform test: a float4 no lane of the warp holds adds +0 to every square sum, so leaving it out
-    // keeps ss)
 #pragma unroll
     for (int j = 0; j < LQ_NV / 4; ++j) {
-        if ((int)(threadIdx.x - (threadIdx.x & 31)) + LQ_THREADS * j >= k / 4) break;
+        // NTX_LQ_NORMX: a float4 no lane of the warp holds (a warp-uniform test) adds +0 to every square sum, so
+        // leaving it out keeps ss
+        if (NTX_LQ_NORMX && (int)(threadIdx.x - (threadIdx.x & 31)) + LQ_THREADS * j >= k / 4) break;
         ss += (double)v[j].x * (double)v[j].x;
         ss += (double)v[j].y * (double)v[j].y;
         ss += (double)v[j].z * (double)v[j].z;
         ss += (double)v[j].w * (double)v[j].w;
     }
+#if NTX_LQ_NORMX
     const float scale = ntx_norm_scale(lq_block_total1(ss, s.part), k, eps);
 #pragma unroll
     for (int j = 0; j < LQ_NV / 4; j += 2) {
@@ -761,13 +761,6 @@ __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict
         lq_quant4n<2>(y, on, c, s.aq, s.ad, s.as);
     }
 #else
-#pragma unroll
-    for (int j = 0; j < LQ_NV / 4; ++j) {
-        ss += (double)v[j].x * (double)v[j].x;
-        ss += (double)v[j].y * (double)v[j].y;
-        ss += (double)v[j].z * (double)v[j].z;
-        ss += (double)v[j].w * (double)v[j].w;
-    }
     const float scale = ntx_norm_scale(lq_block_total(ss, s.part), k, eps);
 #pragma unroll
     for (int j = 0; j < LQ_NV / 4; ++j) {
