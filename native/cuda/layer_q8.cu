@@ -299,12 +299,19 @@ __device__ __forceinline__ double lq_block_total(double v, double* part) {
     return ntx_warps_total(v, part, LQ_WARPS, [] { LQ_SYNC(); });
 }
 // NTX_LQ_NORMX (a tuning build, default 0; session 29, not yet measured): the norm with fewer instructions and
-// barriers for the same values — lq_block_total1's one barrier, the squares of the float4s no lane of a warp holds
-// left out (terms +0), and the row's float4s quantized two at a time (lq_quant4n<2>).
+// barriers — a thread's float4s in adjacent pairs (lq_norm_c), quantized eight values a lane (lq_quant8: the same
+// quantization of the same y), lq_block_total1's one barrier, and the squares of the float4s no lane of a warp holds
+// left out (the squares are summed in another order than the default's, as they are against rmsnorm.cuh's).
 #ifndef NTX_LQ_NORMX
 #define NTX_LQ_NORMX 0
 #endif
 static_assert(LQ_NV / 4 % 2 == 0, "lq_norm_row's NTX_LQ_NORMX form takes the float4s in pairs");
+// The float4 of the row a thread's j-th of lq_norm_row is: t + LQ_THREADS j, or (NTX_LQ_NORMX) pairs 2t, 2t + 1 of
+// each 2 LQ_THREADS (a pair is a quarter of a 32-value block); LQ_NORM_LANE_STEP: the float4s between two lanes'.
+__device__ __forceinline__ int lq_norm_c(int j) {
+    return NTX_LQ_NORMX ? (j >> 1) * 2 * LQ_THREADS + 2 * (int)threadIdx.x + (j & 1) : (int)threadIdx.x + LQ_THREADS * j;
+}
+#define LQ_NORM_LANE_STEP (NTX_LQ_NORMX ? 2 : 1)
 // lq_block_total with one barrier: every thread adds the warps' parts itself, in ntx_warps_total's order (the same
 // total). part must not be written again before every thread has read it (lq_norm_row's closing barrier).
 __device__ __forceinline__ double lq_block_total1(double v, double* part) {
@@ -624,58 +631,63 @@ __device__ __forceinline__ int lq_aq_off(int c) { return (c >> 6) * 256 + (c & 4
 // Four values of a 32-value Q8_1 block (quanti_q8_1_value's values; the block's int8 sum into as unless
 // as is null): every lane of the warp calls it, the 8 lanes 8m..8m+7 holding one block (float4
 // c of the row: values 4c..4c+3, block c / 8); only active lanes store. Warp-uniform callers only.
-// lq_quant4n: N such float4s of a lane at once (c[e], active[e]), each stage for all N before the next, so their
-// shuffles and divisions overlap (the same values as N calls of lq_quant4).
-template <int N>
-__device__ __forceinline__ void lq_quant4n(const float4* v, const bool* active, const int* c, int8_t* aq, float* ad, int* as) {
+__device__ __forceinline__ void lq_quant4(float4 v, bool active, int c, int8_t* aq, float* ad, int* as) {
     if (NTX_LQ_PROBE == 2) {  // the probe without the quantization's arithmetic (garbage out)
-#pragma unroll
-        for (int e = 0; e < N; ++e) {
-            if (active[e]) *reinterpret_cast<char4*>(aq + lq_aq_off(c[e])) = make_char4(v[e].x > 0.f, v[e].y > 0.f, v[e].z > 0.f, v[e].w > 0.f);
-            if (active[e] && c[e] % 8 == 0) ad[c[e] / 8] = 1.f;
-            if (active[e] && c[e] % 8 == 0 && as != nullptr) as[c[e] / 8] = 0;
-        }
+        if (active) *reinterpret_cast<char4*>(aq + lq_aq_off(c)) = make_char4(v.x > 0.f, v.y > 0.f, v.z > 0.f, v.w > 0.f);
+        if (active && c % 8 == 0) ad[c / 8] = 1.f;
+        if (active && c % 8 == 0 && as != nullptr) as[c / 8] = 0;
         return;
     }
-    float m[N];
-    int q[N][4];
+    float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
-    for (int e = 0; e < N; ++e) m[e] = fmaxf(fmaxf(fabsf(v[e].x), fabsf(v[e].y)), fmaxf(fabsf(v[e].z), fabsf(v[e].w)));
-#pragma unroll
-    for (int o = 4; o > 0; o >>= 1)
-#pragma unroll
-        for (int e = 0; e < N; ++e) m[e] = fmaxf(m[e], __shfl_xor_sync(0xffffffffu, m[e], o));
-#pragma unroll
-    for (int e = 0; e < N; ++e) {
-        float d, inv;
-        ntx_q8_scale(m[e], &d, &inv);
-        q[e][0] = (int)ntx_q8_q(v[e].x, inv);
-        q[e][1] = (int)ntx_q8_q(v[e].y, inv);
-        q[e][2] = (int)ntx_q8_q(v[e].z, inv);
-        q[e][3] = (int)ntx_q8_q(v[e].w, inv);
-        if (active[e]) {
-            *reinterpret_cast<char4*>(aq + lq_aq_off(c[e])) =
-                make_char4((signed char)q[e][0], (signed char)q[e][1], (signed char)q[e][2], (signed char)q[e][3]);
-            if (c[e] % 8 == 0) ad[c[e] / 8] = ntx_round_f16(d);
-        }
+    for (int o = 4; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float d, inv;
+    ntx_q8_scale(m, &d, &inv);
+    const int q0 = (int)ntx_q8_q(v.x, inv), q1 = (int)ntx_q8_q(v.y, inv), q2 = (int)ntx_q8_q(v.z, inv),
+              q3 = (int)ntx_q8_q(v.w, inv);
+    if (active) {
+        *reinterpret_cast<char4*>(aq + lq_aq_off(c)) = make_char4((signed char)q0, (signed char)q1, (signed char)q2, (signed char)q3);
+        if (c % 8 == 0) ad[c / 8] = ntx_round_f16(d);
     }
     if (as != nullptr) {  // lanes 8m..8m+3 hold the block's first 16 values, 8m+4..8m+7 its last
-        int t[N], other[N];
-#pragma unroll
-        for (int e = 0; e < N; ++e) t[e] = q[e][0] + q[e][1] + q[e][2] + q[e][3];
-#pragma unroll
-        for (int e = 0; e < N; ++e) t[e] += __shfl_xor_sync(0xffffffffu, t[e], 1);
-#pragma unroll
-        for (int e = 0; e < N; ++e) t[e] += __shfl_xor_sync(0xffffffffu, t[e], 2);
-#pragma unroll
-        for (int e = 0; e < N; ++e) other[e] = __shfl_xor_sync(0xffffffffu, t[e], 4);
-#pragma unroll
-        for (int e = 0; e < N; ++e)
-            if (active[e] && c[e] % 8 == 0) as[c[e] / 8] = (t[e] & 0xffff) | (other[e] << 16);
+        int t = q0 + q1 + q2 + q3;
+        t += __shfl_xor_sync(0xffffffffu, t, 1);
+        t += __shfl_xor_sync(0xffffffffu, t, 2);
+        const int other = __shfl_xor_sync(0xffffffffu, t, 4);
+        if (active && c % 8 == 0) as[c / 8] = (t & 0xffff) | (other << 16);
     }
 }
-__device__ __forceinline__ void lq_quant4(float4 v, bool active, int c, int8_t* aq, float* ad, int* as) {
-    lq_quant4n<1>(&v, &active, &c, aq, ad, as);
+
+// Eight values of a 32-value Q8_1 block (NTX_LQ_NORMX's norm): float4s c and c + 1 (c even) of the row, the 4 lanes
+// 4m..4m+3 holding one block (c / 8); the same values, scale and sums as lq_quant4 on its four float4s, with two
+// shuffle rounds instead of three and one scale a lane for eight values. Warp-uniform callers only.
+__device__ __forceinline__ void lq_quant8(float4 a, float4 b, bool active, int c, int8_t* aq, float* ad, int* as) {
+    if (NTX_LQ_PROBE == 2) {  // (lq_quant4's probe returns before its shuffles)
+        lq_quant4(a, active, c, aq, ad, as);
+        lq_quant4(b, active, c + 1, aq, ad, as);
+        return;
+    }
+    float m = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
+                    fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    float d, inv;
+    ntx_q8_scale(m, &d, &inv);
+    const int q[8] = {(int)ntx_q8_q(a.x, inv), (int)ntx_q8_q(a.y, inv), (int)ntx_q8_q(a.z, inv), (int)ntx_q8_q(a.w, inv),
+                      (int)ntx_q8_q(b.x, inv), (int)ntx_q8_q(b.y, inv), (int)ntx_q8_q(b.z, inv), (int)ntx_q8_q(b.w, inv)};
+    if (active) {
+        *reinterpret_cast<char4*>(aq + lq_aq_off(c)) = make_char4((signed char)q[0], (signed char)q[1], (signed char)q[2], (signed char)q[3]);
+        *reinterpret_cast<char4*>(aq + lq_aq_off(c + 1)) = make_char4((signed char)q[4], (signed char)q[5], (signed char)q[6], (signed char)q[7]);
+        if (c % 8 == 0) ad[c / 8] = ntx_round_f16(d);
+    }
+    if (as != nullptr) {  // lanes 4m, 4m + 1 hold the block's first 16 values, 4m + 2, 4m + 3 its last
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s += q[i];
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        const int other = __shfl_xor_sync(0xffffffffu, s, 2);
+        if (active && c % 8 == 0) as[c / 8] = (s & 0xffff) | (other << 16);
+    }
 }
 
 __device__ __forceinline__ float4 lq_f4(const float* x, int c, bool active) {
@@ -729,7 +741,7 @@ __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict
     double ss = 0.0;
 #pragma unroll
     for (int j = 0; j < LQ_NV / 4; ++j) {
-        const int c = threadIdx.x + LQ_THREADS * j;
+        const int c = lq_norm_c(j);
         v[j] = lq_f4(x, c, c < k / 4);
         wv[j] = c < k / 4 ? __ldg(reinterpret_cast<const float4*>(w) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
@@ -737,7 +749,7 @@ __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict
     for (int j = 0; j < LQ_NV / 4; ++j) {
         // NTX_LQ_NORMX: a float4 no lane of the warp holds (a warp-uniform test) adds +0 to every square sum, so
         // leaving it out keeps ss
-        if (NTX_LQ_NORMX && (int)(threadIdx.x - (threadIdx.x & 31)) + LQ_THREADS * j >= k / 4) break;
+        if (NTX_LQ_NORMX && lq_norm_c(j) - LQ_NORM_LANE_STEP * (int)(threadIdx.x & 31) >= k / 4) break;
         ss += (double)v[j].x * (double)v[j].x;
         ss += (double)v[j].y * (double)v[j].y;
         ss += (double)v[j].z * (double)v[j].z;
@@ -747,18 +759,14 @@ __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict
     const float scale = ntx_norm_scale(lq_block_total1(ss, s.part), k, eps);
 #pragma unroll
     for (int j = 0; j < LQ_NV / 4; j += 2) {
-        const int c[2] = {(int)threadIdx.x + LQ_THREADS * j, (int)threadIdx.x + LQ_THREADS * (j + 1)};
-        if (c[0] - (int)(threadIdx.x & 31) >= k / 4) break;
-        float4 y[2];
-        bool on[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const float4 a = v[j + e], b = wv[j + e];
-            y[e] = make_float4(__fmul_rn(__fmul_rn(a.x, scale), b.x), __fmul_rn(__fmul_rn(a.y, scale), b.y),
-                               __fmul_rn(__fmul_rn(a.z, scale), b.z), __fmul_rn(__fmul_rn(a.w, scale), b.w));
-            on[e] = c[e] < k / 4;
-        }
-        lq_quant4n<2>(y, on, c, s.aq, s.ad, s.as);
+        const int c = lq_norm_c(j);  // even: c, c + 1 (k / 4 is a multiple of 8: both or neither in the row)
+        if (c - 2 * (int)(threadIdx.x & 31) >= k / 4) break;
+        const float4 a = v[j], b = v[j + 1], wa = wv[j], wb = wv[j + 1];
+        lq_quant8(make_float4(__fmul_rn(__fmul_rn(a.x, scale), wa.x), __fmul_rn(__fmul_rn(a.y, scale), wa.y),
+                              __fmul_rn(__fmul_rn(a.z, scale), wa.z), __fmul_rn(__fmul_rn(a.w, scale), wa.w)),
+                  make_float4(__fmul_rn(__fmul_rn(b.x, scale), wb.x), __fmul_rn(__fmul_rn(b.y, scale), wb.y),
+                              __fmul_rn(__fmul_rn(b.z, scale), wb.z), __fmul_rn(__fmul_rn(b.w, scale), wb.w)),
+                  c < k / 4, c, s.aq, s.ad, s.as);
     }
 #else
     const float scale = ntx_norm_scale(lq_block_total(ss, s.part), k, eps);

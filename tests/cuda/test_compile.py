@@ -384,9 +384,9 @@ def test_the_host_reads_a_tuning_macro_as_the_kernels_are_built_with_it(monkeypa
 
 @pytest.mark.parametrize("source", ["layer_q8.cu", "layer_q8_ks.cu"])
 def test_stack_norm_build_compiles_clean_without_spills(monkeypatch, source):
-    """-DNTX_LQ_NORMX=1 (the stack step's norm with one barrier fewer, no squares of absent values and its row's
-    float4s quantized two at a time: a tuning build, docs/cuda.md session 29) builds warning-free for sm_90, spills
-    nothing in any function, and is not the default build. Results: tests/cuda/test_stack_gpu.py with
+    """-DNTX_LQ_NORMX=1 (the stack step's norm with one barrier fewer, no squares of absent values and eight values
+    of a 32-value block a lane in its quantization: a tuning build, docs/cuda.md session 29) builds warning-free for
+    sm_90, spills nothing in any function, and is not the default build. Results: tests/cuda/test_stack_gpu.py with
     NTX_CUDA_DEFINES=-DNTX_LQ_NORMX=1."""
     import re
 
