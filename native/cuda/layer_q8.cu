@@ -307,15 +307,15 @@ __device__ __forceinline__ double lq_block_total(double v, double* part) {
 #endif
 static_assert(LQ_NV / 4 % 2 == 0, "lq_norm_row's NTX_LQ_NORMX form takes the float4s in pairs");
 // The float4 of the row a thread's j-th of lq_norm_row is: t + LQ_THREADS j, or (NTX_LQ_NORMX) pairs 2t, 2t + 1 of
-// each 2 LQ_THREADS (a pair is a quarter of a 32-value block); LQ_NORM_LANE_STEP: the float4s between two lanes'.
+// each 2 LQ_THREADS (a pair is a quarter of a 32-value block); lq_norm_c0: the least of the warp's j-th (lane 0's).
 __device__ __forceinline__ int lq_norm_c(int j) {
     return NTX_LQ_NORMX ? (j >> 1) * 2 * LQ_THREADS + 2 * (int)threadIdx.x + (j & 1) : (int)threadIdx.x + LQ_THREADS * j;
 }
-#define LQ_NORM_LANE_STEP (NTX_LQ_NORMX ? 2 : 1)
+__device__ __forceinline__ int lq_norm_c0(int j) { return lq_norm_c(j) - (NTX_LQ_NORMX ? 2 : 1) * (int)(threadIdx.x & 31); }
 // lq_block_total with one barrier: every thread adds the warps' parts itself, in ntx_warps_total's order (the same
 // total). part must not be written again before every thread has read it (lq_norm_row's closing barrier).
 __device__ __forceinline__ double lq_block_total1(double v, double* part) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    v = warp_sum_d(v);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
     LQ_SYNC();
     double t = 0.0;
@@ -734,6 +734,12 @@ __device__ __noinline__ void lq_quant_share(const float* x, int k, int8_t* xq, f
     lq_load_act(xq, xd, k, s);
 }
 
+// rmsnorm.cuh's rounding of x's four values: (x scale) w.
+__device__ __forceinline__ float4 lq_norm_y(float4 x, float scale, float4 w) {
+    return make_float4(__fmul_rn(__fmul_rn(x.x, scale), w.x), __fmul_rn(__fmul_rn(x.y, scale), w.y),
+                       __fmul_rn(__fmul_rn(x.z, scale), w.z), __fmul_rn(__fmul_rn(x.w, scale), w.w));
+}
+
 // rmsnorm(x) * w (rmsnorm.cuh's rounding; the squares summed in another order) quantized into aq /
 // ad: thread t the float4s t + LQ_THREADS j of x and w, all loaded first.
 __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict__ w, int k, float eps, const LqShared& s) {
@@ -749,7 +755,7 @@ __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict
     for (int j = 0; j < LQ_NV / 4; ++j) {
         // NTX_LQ_NORMX: a float4 no lane of the warp holds (a warp-uniform test) adds +0 to every square sum, so
         // leaving it out keeps ss
-        if (NTX_LQ_NORMX && lq_norm_c(j) - LQ_NORM_LANE_STEP * (int)(threadIdx.x & 31) >= k / 4) break;
+        if (NTX_LQ_NORMX && lq_norm_c0(j) >= k / 4) break;
         ss += (double)v[j].x * (double)v[j].x;
         ss += (double)v[j].y * (double)v[j].y;
         ss += (double)v[j].z * (double)v[j].z;
@@ -760,24 +766,15 @@ __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict
 #pragma unroll
     for (int j = 0; j < LQ_NV / 4; j += 2) {
         const int c = lq_norm_c(j);  // even: c, c + 1 (k / 4 is a multiple of 8: both or neither in the row)
-        if (c - 2 * (int)(threadIdx.x & 31) >= k / 4) break;
-        const float4 a = v[j], b = v[j + 1], wa = wv[j], wb = wv[j + 1];
-        lq_quant8(make_float4(__fmul_rn(__fmul_rn(a.x, scale), wa.x), __fmul_rn(__fmul_rn(a.y, scale), wa.y),
-                              __fmul_rn(__fmul_rn(a.z, scale), wa.z), __fmul_rn(__fmul_rn(a.w, scale), wa.w)),
-                  make_float4(__fmul_rn(__fmul_rn(b.x, scale), wb.x), __fmul_rn(__fmul_rn(b.y, scale), wb.y),
-                              __fmul_rn(__fmul_rn(b.z, scale), wb.z), __fmul_rn(__fmul_rn(b.w, scale), wb.w)),
-                  c < k / 4, c, s.aq, s.ad, s.as);
+        if (lq_norm_c0(j) >= k / 4) break;
+        lq_quant8(lq_norm_y(v[j], scale, wv[j]), lq_norm_y(v[j + 1], scale, wv[j + 1]), c < k / 4, c, s.aq, s.ad, s.as);
     }
 #else
     const float scale = ntx_norm_scale(lq_block_total(ss, s.part), k, eps);
 #pragma unroll
     for (int j = 0; j < LQ_NV / 4; ++j) {
         const int c = threadIdx.x + LQ_THREADS * j;
-        if (c - (int)(threadIdx.x & 31) < k / 4) {
-            const float4 y = make_float4(__fmul_rn(__fmul_rn(v[j].x, scale), wv[j].x), __fmul_rn(__fmul_rn(v[j].y, scale), wv[j].y),
-                                         __fmul_rn(__fmul_rn(v[j].z, scale), wv[j].z), __fmul_rn(__fmul_rn(v[j].w, scale), wv[j].w));
-            lq_quant4(y, c < k / 4, c, s.aq, s.ad, s.as);
-        }
+        if (c - (int)(threadIdx.x & 31) < k / 4) lq_quant4(lq_norm_y(v[j], scale, wv[j]), c < k / 4, c, s.aq, s.ad, s.as);
     }
 #endif
     LQ_SYNC();
