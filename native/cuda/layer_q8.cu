@@ -298,31 +298,6 @@ __device__ __forceinline__ void lq_wait(const unsigned* c, unsigned target) {
 __device__ __forceinline__ double lq_block_total(double v, double* part) {
     return ntx_warps_total(v, part, LQ_WARPS, [] { LQ_SYNC(); });
 }
-// NTX_LQ_NORMX (a tuning build, default 0; session 29, not yet measured): the norm with fewer instructions and
-// barriers — a thread's float4s in adjacent pairs (lq_norm_c), quantized eight values a lane (lq_quant8: the same
-// quantization of the same y), lq_block_total1's one barrier, and the squares of the float4s no lane of a warp holds
-// left out (the squares are summed in another order than the default's, as they are against rmsnorm.cuh's).
-#ifndef NTX_LQ_NORMX
-#define NTX_LQ_NORMX 0
-#endif
-static_assert(LQ_NV / 4 % 2 == 0, "lq_norm_row's NTX_LQ_NORMX form takes the float4s in pairs");
-// The float4 of the row a thread's j-th of lq_norm_row is: t + LQ_THREADS j, or (NTX_LQ_NORMX) pairs 2t, 2t + 1 of
-// each 2 LQ_THREADS (a pair is a quarter of a 32-value block); lq_norm_c0: the least of the warp's j-th (lane 0's).
-__device__ __forceinline__ int lq_norm_c(int j) {
-    return NTX_LQ_NORMX ? (j >> 1) * 2 * LQ_THREADS + 2 * (int)threadIdx.x + (j & 1) : (int)threadIdx.x + LQ_THREADS * j;
-}
-__device__ __forceinline__ int lq_norm_c0(int j) { return lq_norm_c(j) - (NTX_LQ_NORMX ? 2 : 1) * (int)(threadIdx.x & 31); }
-// lq_block_total with one barrier: every thread adds the warps' parts itself, in ntx_warps_total's order (the same
-// total). part must not be written again before every thread has read it (lq_norm_row's closing barrier).
-__device__ __forceinline__ double lq_block_total1(double v, double* part) {
-    v = warp_sum_d(v);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-    LQ_SYNC();
-    double t = 0.0;
-#pragma unroll
-    for (int i = 0; i < LQ_WARPS; ++i) t += part[i];
-    return t;
-}
 
 // The K (and V) rows of a layer: n_kv heads of D / n_head values.
 __device__ __forceinline__ int lq_kvd(const LqArgs& a) { return a.n_kv * (a.D / a.n_head); }
@@ -658,38 +633,6 @@ __device__ __forceinline__ void lq_quant4(float4 v, bool active, int c, int8_t* 
     }
 }
 
-// Eight values of a 32-value Q8_1 block (NTX_LQ_NORMX's norm): float4s c and c + 1 (c even) of the row, the 4 lanes
-// 4m..4m+3 holding one block (c / 8); the same values, scale and sums as lq_quant4 on its four float4s, with two
-// shuffle rounds instead of three and one scale a lane for eight values. Warp-uniform callers only.
-__device__ __forceinline__ void lq_quant8(float4 a, float4 b, bool active, int c, int8_t* aq, float* ad, int* as) {
-    if (NTX_LQ_PROBE == 2) {  // (lq_quant4's probe returns before its shuffles)
-        lq_quant4(a, active, c, aq, ad, as);
-        lq_quant4(b, active, c + 1, aq, ad, as);
-        return;
-    }
-    float m = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
-                    fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    float d, inv;
-    ntx_q8_scale(m, &d, &inv);
-    const int q[8] = {(int)ntx_q8_q(a.x, inv), (int)ntx_q8_q(a.y, inv), (int)ntx_q8_q(a.z, inv), (int)ntx_q8_q(a.w, inv),
-                      (int)ntx_q8_q(b.x, inv), (int)ntx_q8_q(b.y, inv), (int)ntx_q8_q(b.z, inv), (int)ntx_q8_q(b.w, inv)};
-    if (active) {
-        *reinterpret_cast<char4*>(aq + lq_aq_off(c)) = make_char4((signed char)q[0], (signed char)q[1], (signed char)q[2], (signed char)q[3]);
-        *reinterpret_cast<char4*>(aq + lq_aq_off(c + 1)) = make_char4((signed char)q[4], (signed char)q[5], (signed char)q[6], (signed char)q[7]);
-        if (c % 8 == 0) ad[c / 8] = ntx_round_f16(d);
-    }
-    if (as != nullptr) {  // lanes 4m, 4m + 1 hold the block's first 16 values, 4m + 2, 4m + 3 its last
-        int s = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s += q[i];
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        const int other = __shfl_xor_sync(0xffffffffu, s, 2);
-        if (active && c % 8 == 0) as[c / 8] = (s & 0xffff) | (other << 16);
-    }
-}
-
 __device__ __forceinline__ float4 lq_f4(const float* x, int c, bool active) {
     return active ? __ldcg(reinterpret_cast<const float4*>(x) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
 }
@@ -734,12 +677,6 @@ __device__ __noinline__ void lq_quant_share(const float* x, int k, int8_t* xq, f
     lq_load_act(xq, xd, k, s);
 }
 
-// rmsnorm.cuh's rounding of x's four values: (x scale) w.
-__device__ __forceinline__ float4 lq_norm_y(float4 x, float scale, float4 w) {
-    return make_float4(__fmul_rn(__fmul_rn(x.x, scale), w.x), __fmul_rn(__fmul_rn(x.y, scale), w.y),
-                       __fmul_rn(__fmul_rn(x.z, scale), w.z), __fmul_rn(__fmul_rn(x.w, scale), w.w));
-}
-
 // rmsnorm(x) * w (rmsnorm.cuh's rounding; the squares summed in another order) quantized into aq /
 // ad: thread t the float4s t + LQ_THREADS j of x and w, all loaded first.
 __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict__ w, int k, float eps, const LqShared& s) {
@@ -747,36 +684,27 @@ __device__ __noinline__ void lq_norm_row(const float* x, const float* __restrict
     double ss = 0.0;
 #pragma unroll
     for (int j = 0; j < LQ_NV / 4; ++j) {
-        const int c = lq_norm_c(j);
+        const int c = threadIdx.x + LQ_THREADS * j;
         v[j] = lq_f4(x, c, c < k / 4);
         wv[j] = c < k / 4 ? __ldg(reinterpret_cast<const float4*>(w) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int j = 0; j < LQ_NV / 4; ++j) {
-        // NTX_LQ_NORMX: a float4 no lane of the warp holds (a warp-uniform test) adds +0 to every square sum, so
-        // leaving it out keeps ss
-        if (NTX_LQ_NORMX && lq_norm_c0(j) >= k / 4) break;
         ss += (double)v[j].x * (double)v[j].x;
         ss += (double)v[j].y * (double)v[j].y;
         ss += (double)v[j].z * (double)v[j].z;
         ss += (double)v[j].w * (double)v[j].w;
     }
-#if NTX_LQ_NORMX
-    const float scale = ntx_norm_scale(lq_block_total1(ss, s.part), k, eps);
-#pragma unroll
-    for (int j = 0; j < LQ_NV / 4; j += 2) {
-        const int c = lq_norm_c(j);  // even: c, c + 1 (k / 4 is a multiple of 8: both or neither in the row)
-        if (lq_norm_c0(j) >= k / 4) break;
-        lq_quant8(lq_norm_y(v[j], scale, wv[j]), lq_norm_y(v[j + 1], scale, wv[j + 1]), c < k / 4, c, s.aq, s.ad, s.as);
-    }
-#else
     const float scale = ntx_norm_scale(lq_block_total(ss, s.part), k, eps);
 #pragma unroll
     for (int j = 0; j < LQ_NV / 4; ++j) {
         const int c = threadIdx.x + LQ_THREADS * j;
-        if (c - (int)(threadIdx.x & 31) < k / 4) lq_quant4(lq_norm_y(v[j], scale, wv[j]), c < k / 4, c, s.aq, s.ad, s.as);
+        if (c - (int)(threadIdx.x & 31) < k / 4) {
+            const float4 y = make_float4(__fmul_rn(__fmul_rn(v[j].x, scale), wv[j].x), __fmul_rn(__fmul_rn(v[j].y, scale), wv[j].y),
+                                         __fmul_rn(__fmul_rn(v[j].z, scale), wv[j].z), __fmul_rn(__fmul_rn(v[j].w, scale), wv[j].w));
+            lq_quant4(y, c < k / 4, c, s.aq, s.ad, s.as);
+        }
     }
-#endif
     LQ_SYNC();
 }
 

@@ -380,23 +380,3 @@ def test_the_host_reads_a_tuning_macro_as_the_kernels_are_built_with_it(monkeypa
     monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_FAST_WARPSX=3 -DNTX_FAST_WARPS=16 -DNTX_FAST_WARPS=4")
     assert cuda_nvrtc.define_value("NTX_FAST_WARPS") == "16" and fast_rows() == 16
     assert cuda_nvrtc.define_value("NTX_FAST_MINB") is None
-
-
-@pytest.mark.parametrize("source", ["layer_q8.cu", "layer_q8_ks.cu"])
-def test_stack_norm_build_compiles_clean_without_spills(monkeypatch, source):
-    """-DNTX_LQ_NORMX=1 (the stack step's norm with one barrier fewer, no squares of absent values and eight values
-    of a 32-value block a lane in its quantization: a tuning build, docs/cuda.md session 29) builds warning-free for
-    sm_90, spills nothing in any function, and is not the default build. Results: tests/cuda/test_stack_gpu.py with
-    NTX_CUDA_DEFINES=-DNTX_LQ_NORMX=1."""
-    import re
-
-    monkeypatch.setattr(cuda_nvrtc, "OPTIONS", cuda_nvrtc.OPTIONS + ("--ptxas-options=-v",))
-    monkeypatch.setenv("NTX_CUDA_DEFINES", "")
-    default_cubin, _ = cuda_nvrtc.compile_cubin(source, "sm_90")
-    monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_LQ_NORMX=1")
-    cubin, log = cuda_nvrtc.compile_cubin(source, "sm_90")
-    assert "warning" not in log.lower(), log
-    spills = re.findall(r"Function properties for (\w+)\n.*?(\d+) bytes spill stores", log)
-    assert any(name.startswith("layer_q8_hd") for name, _ in spills), f"no ptxas report for {source}'s kernels"
-    assert all(int(n) == 0 for _, n in spills), spills
-    assert cubin != default_cubin, "-DNTX_LQ_NORMX=1 changed nothing"
