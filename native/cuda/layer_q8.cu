@@ -904,6 +904,11 @@ __device__ __forceinline__ float2 lq_row_dot(int oa, int ob, bool two, int units
     return two ? lq_dot_q8_0<2>(oa, ob, units, pt, wpr) : lq_dot_q8_0<1>(oa, ob, units, pt, wpr);
 }
 
+// NTX_LQ_TAILW (a tuning build, default 0; docs/cuda.md session 31: prepared, not yet run on a GPU): lq_phase gives a
+// chunk of fewer items than its matrix's full chunks more warps an item.
+#ifndef NTX_LQ_TAILW
+#define NTX_LQ_TAILW 0
+#endif
 #ifndef NTX_LQ_CU
 #define NTX_LQ_CU 0  // layer_q8_ks.cu: 1 (Q8_0's gate/up and down chunks take these loops: 389.7 unrolled, 378.3 not)
 #endif
@@ -977,8 +982,15 @@ __device__ void lq_phase(const LqArgs& a, const LqMat* mt, int ph, const LqShare
         const LqMat m = mt[(w1 >> 16) & 0xffu];  // (a chunk crossing into the next matrix: the same type)
         // the chunk's items: row pairs (gate/up: gate row p with up row p; else, where a chunk has more rows than
         // a group warps, rows p and p + np) or single rows (m.pair 0), wpr warps an item
-        const int np = !m.pair ? n : per == 2 ? n : (n + 1) >> 1, wpr = 1 << m.lw, pt = wi & (wpr - 1);
-        for (int p = wi >> m.lw; p < np; p += LQ_GW >> m.lw) {
+        const int np = !m.pair ? n : per == 2 ? n : (n + 1) >> 1;
+        int lw = m.lw;
+#if NTX_LQ_TAILW
+        // a chunk of fewer items than the matrix's full chunks (a block's last rows: o's 31st, 32nd): more warps an
+        // item, as many as a row's blocks give a pass (8 K-quant blocks, 64 units, a warp's pass)
+        while ((2 << lw) * np <= LQ_GW && (64 << lw) < m.units) ++lw;
+#endif
+        const int wpr = 1 << lw, pt = wi & (wpr - 1);
+        for (int p = wi >> lw; p < np; p += LQ_GW >> lw) {
             const int ra = p, rb = per == 2 ? n + p : p + np;  // rows of the slot
             const bool two = m.pair && rb < per * n;
             // the rows' residual values (o, down) come into shared memory by cp.async, not into registers: a load

@@ -380,3 +380,23 @@ def test_the_host_reads_a_tuning_macro_as_the_kernels_are_built_with_it(monkeypa
     monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_FAST_WARPSX=3 -DNTX_FAST_WARPS=16 -DNTX_FAST_WARPS=4")
     assert cuda_nvrtc.define_value("NTX_FAST_WARPS") == "16" and fast_rows() == 16
     assert cuda_nvrtc.define_value("NTX_FAST_MINB") is None
+
+
+@pytest.mark.parametrize("source", ["layer_q8.cu", "layer_q8_ks.cu"])
+def test_stack_short_chunk_build_compiles_clean_without_spills(monkeypatch, source):
+    """-DNTX_LQ_TAILW=1 (a ring chunk of fewer items than its matrix's full chunks, such as a block's last o row, split
+    over more warps an item: a tuning build, docs/cuda.md session 31) builds warning-free for sm_90, spills nothing
+    in any function, and is not the default build. Results: tests/cuda/test_stack_gpu.py with
+    NTX_CUDA_DEFINES=-DNTX_LQ_TAILW=1."""
+    import re
+
+    monkeypatch.setattr(cuda_nvrtc, "OPTIONS", cuda_nvrtc.OPTIONS + ("--ptxas-options=-v",))
+    monkeypatch.setenv("NTX_CUDA_DEFINES", "")
+    default_cubin, _ = cuda_nvrtc.compile_cubin(source, "sm_90")
+    monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_LQ_TAILW=1")
+    cubin, log = cuda_nvrtc.compile_cubin(source, "sm_90")
+    assert "warning" not in log.lower(), log
+    spills = re.findall(r"Function properties for (\w+)\n.*?(\d+) bytes spill stores", log)
+    assert any(name.startswith("layer_q8_hd") for name, _ in spills), f"no ptxas report for {source}'s kernels"
+    assert all(int(n) == 0 for _, n in spills), spills
+    assert cubin != default_cubin, "-DNTX_LQ_TAILW=1 changed nothing"
