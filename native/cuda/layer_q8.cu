@@ -985,8 +985,7 @@ __device__ void lq_phase(const LqArgs& a, const LqMat* mt, int ph, const LqShare
         const int np = !m.pair ? n : per == 2 ? n : (n + 1) >> 1;
         int lw = m.lw;
 #if NTX_LQ_TAILW
-        // a chunk of fewer items than the matrix's full chunks (a block's last rows: o's 31st, 32nd): more warps an
-        // item, as many as a row's blocks give a pass (8 K-quant blocks, 64 units, a warp's pass)
+        // (a block's last o rows, its 31st and 32nd): at most as many warps as a row's units give a pass each (64)
         while ((2 << lw) * np <= LQ_GW && (64 << lw) < m.units) ++lw;
 #endif
         const int wpr = 1 << lw, pt = wi & (wpr - 1);

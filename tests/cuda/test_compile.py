@@ -382,21 +382,25 @@ def test_the_host_reads_a_tuning_macro_as_the_kernels_are_built_with_it(monkeypa
     assert cuda_nvrtc.define_value("NTX_FAST_MINB") is None
 
 
+# the stack kernel's tuning builds other than the default (layer_q8.cu): a short ring chunk over more warps an item
+# (docs/cuda.md session 31)
+STACK_VARIANTS = ("-DNTX_LQ_TAILW=1",)
+
+
+@pytest.mark.parametrize("defines", STACK_VARIANTS)
 @pytest.mark.parametrize("source", ["layer_q8.cu", "layer_q8_ks.cu"])
-def test_stack_short_chunk_build_compiles_clean_without_spills(monkeypatch, source):
-    """-DNTX_LQ_TAILW=1 (a ring chunk of fewer items than its matrix's full chunks, such as a block's last o row, split
-    over more warps an item: a tuning build, docs/cuda.md session 31) builds warning-free for sm_90, spills nothing
-    in any function, and is not the default build. Results: tests/cuda/test_stack_gpu.py with
-    NTX_CUDA_DEFINES=-DNTX_LQ_TAILW=1."""
+def test_stack_variants_compile_clean_without_spills(monkeypatch, source, defines):
+    """Each stack build other than the default builds warning-free for sm_90, spills nothing in any function, and is
+    not the default build. Results: tests/cuda/test_stack_gpu.py with NTX_CUDA_DEFINES set to the build's defines."""
     import re
 
     monkeypatch.setattr(cuda_nvrtc, "OPTIONS", cuda_nvrtc.OPTIONS + ("--ptxas-options=-v",))
     monkeypatch.setenv("NTX_CUDA_DEFINES", "")
     default_cubin, _ = cuda_nvrtc.compile_cubin(source, "sm_90")
-    monkeypatch.setenv("NTX_CUDA_DEFINES", "-DNTX_LQ_TAILW=1")
+    monkeypatch.setenv("NTX_CUDA_DEFINES", defines)
     cubin, log = cuda_nvrtc.compile_cubin(source, "sm_90")
     assert "warning" not in log.lower(), log
     spills = re.findall(r"Function properties for (\w+)\n.*?(\d+) bytes spill stores", log)
     assert any(name.startswith("layer_q8_hd") for name, _ in spills), f"no ptxas report for {source}'s kernels"
     assert all(int(n) == 0 for _, n in spills), spills
-    assert cubin != default_cubin, "-DNTX_LQ_TAILW=1 changed nothing"
+    assert cubin != default_cubin, f"{defines} changed nothing"
