@@ -894,6 +894,65 @@ __device__ __noinline__ float2 lq_dot_q6_k(int oa, int ob, int units, int pt, in
     return make_float2(r[0], r[1]);
 }
 
+// NTX_LQ_KSREL (a tuning build, default 0): a warp releases a Q6_K K-slice down chunk's slot as soon as its weight words
+// are in registers, before its arithmetic, so the producer refills the slot while the group computes. Its probes
+// (session 24) put the down rows at 10.3 us without the copies and 10.6 without the arithmetic against 14.0 with both:
+// a group holds each of its two slots through its arithmetic, and the next copy into it waits for that.
+#ifndef NTX_LQ_KSREL
+#define NTX_LQ_KSREL 0
+#endif
+#if NTX_LQ_KSREL
+// lq_dot_q6_k<2>'s one pass over slice k of rows oa and ob (a K-slice chunk: the lane's one block, 8 k + lane / 4), the
+// same values in the same order, with the slot's "empty" mbarrier (shared address bar) arrived on between the loads and
+// the arithmetic. Warp-uniform callers only.
+__device__ __noinline__ float2 lq_ks_dot_q6_k(int oa, int ob, int k, unsigned bar) {
+    const int lane = (int)(threadIdx.x & 31), hh = (lane & 3) >> 1, s = lane & 1, j = 4 * hh + s, b = 8 * k + (lane >> 2);
+    const unsigned hs = 2u * (unsigned)s, sh = (b & 1) ? 16u : 0u;
+    const uint8_t* xp = LQ_AQ + b * 256 + 16 * j;
+    uint32_t wl[2][9], wh[2][9];
+    unsigned sa[2], sb[2], dh[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int o = (e ? ob : oa) + b * 210;
+        const uint32_t* pl = reinterpret_cast<const uint32_t*>(lq_dyn + ((o + hh * 64 + s * 32) & ~3));
+        const uint32_t* ph = reinterpret_cast<const uint32_t*>(lq_dyn + ((o + 128 + hh * 32) & ~3));
+#pragma unroll
+        for (int i = 0; i < 9; ++i) {
+            wl[e][i] = pl[i];
+            wh[e][i] = ph[i];
+        }
+        sa[e] = *reinterpret_cast<const uint16_t*>(lq_dyn + o + 192 + 2 * j);
+        sb[e] = *reinterpret_cast<const uint16_t*>(lq_dyn + o + 196 + 2 * j);
+        dh[e] = *reinterpret_cast<const uint16_t*>(lq_dyn + o + 208);
+    }
+    // the loads before the release (its memory clobber keeps them above it; the arrive's release semantics and the warp
+    // barrier order every lane's reads before the producer's next copy into the slot)
+    __syncwarp();
+    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+    const int4 x0a = *reinterpret_cast<const int4*>(xp), x0b = *reinterpret_cast<const int4*>(xp + 128);
+    const int4 x1a = *reinterpret_cast<const int4*>(xp + 32), x1b = *reinterpret_cast<const int4*>(xp + 160);
+    const float d0 = LQ_AD[8 * b + j], d1 = LQ_AD[8 * b + j + 2];
+    const int p0 = LQ_AS[8 * b + j], p1 = LQ_AS[8 * b + j + 2];
+    float r[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        uint32_t q0[8], q1[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const uint32_t lo = __funnelshift_r(wl[e][i], wl[e][i + 1], sh), hi = __funnelshift_r(wh[e][i], wh[e][i + 1], sh);
+            q0[i] = (lo & 0x0F0F0F0Fu) | ((hi << (4u - hs)) & 0x30303030u);
+            q1[i] = ((lo >> 4) & 0x0F0F0F0Fu) | ((hi >> hs) & 0x30303030u);
+        }
+        const int a0 = lq_dot4(q0, x0a, 0), a1 = lq_dot4(q0 + 4, x0b, 0), c0 = lq_dot4(q1, x1a, 0), c1 = lq_dot4(q1 + 4, x1b, 0);
+        const int i0s = (int)(int8_t)(sa[e] & 0xffu) * (a0 - 32 * lq_sum_lo(p0)) + (int)(int8_t)(sa[e] >> 8) * (a1 - 32 * lq_sum_hi(p0));
+        const int i1s = (int)(int8_t)(sb[e] & 0xffu) * (c0 - 32 * lq_sum_lo(p1)) + (int)(int8_t)(sb[e] >> 8) * (c1 - 32 * lq_sum_hi(p1));
+        const float d = ntx_h2f((uint16_t)dh[e]);
+        r[e] = 0.f + (d0 * (d * (float)i0s) + d1 * (d * (float)i1s));
+    }
+    return make_float2(r[0], r[1]);
+}
+#endif
+
 // Rows oa and ob (two) or oa alone.
 __device__ __forceinline__ float2 lq_row_dot(int oa, int ob, bool two, int units, int pt, int wpr, int type) {
     if (NTX_LQ_PROBE == 1 || NTX_LQ_PROBE == 7) return make_float2(0.f, 0.f);
@@ -939,6 +998,7 @@ __device__ void lq_phase(const LqArgs& a, const LqMat* mt, int ph, const LqShare
             // slice k of rows row .. row + 15 (none: a group's turn skipped, where the block has an odd number of row
             // groups): this warp's rows row + wi and row + wi + 8, their sums kept from slice to slice
             const int k = (int)(w1 >> 24), nk = a.F / LQ_KSV;
+            bool rel = false;  // NTX_LQ_KSREL: the slot already released
             if ((w1 & 0xffffu) != 0) {
                 const LqMat& m = mt[LQ_KSMAT];
                 float* rv = s.resv + 2 * warp;
@@ -957,6 +1017,12 @@ __device__ void lq_phase(const LqArgs& a, const LqMat* mt, int ph, const LqShare
                 float2 t = make_float2(0.f, 0.f);  // (only the types NTX_LQ_KS names are built in)
                 if (NTX_LQ_PROBE == 1 || NTX_LQ_PROBE == 7)
                     ;
+#if NTX_LQ_KSREL
+                else if ((NTX_LQ_KS & (1 << LQ_Q6_K)) && m.type == LQ_Q6_K) {
+                    t = lq_ks_dot_q6_k(o, ob, k, lq_smem(s.empty + slot));
+                    rel = true;
+                }
+#endif
                 else if ((NTX_LQ_KS & (1 << LQ_Q6_K)) && m.type == LQ_Q6_K)
                     t = lq_dot_q6_k<2>(o, ob, nu, k, 1);
                 else if ((NTX_LQ_KS & (1 << LQ_Q4_K)) && m.type == LQ_Q4_K)
@@ -975,7 +1041,7 @@ __device__ void lq_phase(const LqArgs& a, const LqMat* mt, int ph, const LqShare
                 }
             }
             __syncwarp();
-            if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(s.empty + slot)) : "memory");
+            if (lane == 0 && !rel) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(s.empty + slot)) : "memory");
             continue;
         }
         const int n = (int)(w1 & 0xffffu) + (int)(w1 >> 24);
