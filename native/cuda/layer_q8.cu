@@ -953,70 +953,6 @@ __device__ __noinline__ float2 lq_ks_dot_q6_k(int oa, int ob, int k, unsigned ba
 }
 #endif
 
-// NTX_LQ_GUREL (a tuning build, default 0): KSREL's release for the gate/up row pairs of Q4_K (session 24's probes: 13.84
-// us without the copies, 13.92 without the arithmetic, 15.14 with both). A warp's item there is its only one in a chunk
-// (7 row pairs, 8 warps) and, for rows of at most 4096 values, two passes of its loop: both passes' weight words (48)
-// are loaded, the slot released, then the arithmetic.
-#ifndef NTX_LQ_GUREL
-#define NTX_LQ_GUREL 0
-#endif
-#if NTX_LQ_GUREL
-// lq_dot_k45<2, false> over a gate row (oa) and its up row (ob) of at most 16 blocks, one warp a row pair (pt 0, wpr 1):
-// the same values in the same order, with the slot's "empty" mbarrier (shared address bar) arrived on between the
-// loads and the arithmetic. Warp-uniform callers only.
-__device__ __noinline__ float2 lq_gu_dot_q4_k(int oa, int ob, int units, unsigned bar) {
-    const int lane = (int)(threadIdx.x & 31), m = lane & 3, nb = units / 8, b0i = lane >> 2;
-    const bool hs = m >= 2;
-    const unsigned b0 = 16u * (unsigned)(m & 1), sy = hs ? b0 + 4u : b0, ma = hs ? 0x0F0Fu : 0x3F3Fu, mb = hs ? 0x3030u : 0u;
-    uint4 h[2][2], qa[2][2], qb[2][2];  // [pass][row]
-#pragma unroll
-    for (int it = 0; it < 2; ++it) {
-        const int b = b0i + 8 * it;
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const uint4 z = make_uint4(0u, 0u, 0u, 0u);
-            const uint8_t* w = lq_dyn + (e ? ob : oa) + b * 144;
-            h[it][e] = b < nb ? *reinterpret_cast<const uint4*>(w) : z;
-            qa[it][e] = b < nb ? *reinterpret_cast<const uint4*>(w + 16 + 32 * m) : z;
-            qb[it][e] = b < nb ? *reinterpret_cast<const uint4*>(w + 32 + 32 * m) : z;
-        }
-    }
-    __syncwarp();  // (as in lq_ks_dot_q6_k: the loads above the release)
-    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-    float r[2] = {0.f, 0.f};
-#pragma unroll
-    for (int it = 0; it < 2; ++it) {
-        const int b = b0i + 8 * it;
-        if (b >= nb) break;
-        const uint8_t* xp = LQ_AQ + b * 256 + 32 * m;
-        const int4 x0a = *reinterpret_cast<const int4*>(xp), x0b = *reinterpret_cast<const int4*>(xp + 128);
-        const int4 x1a = *reinterpret_cast<const int4*>(xp + 16), x1b = *reinterpret_cast<const int4*>(xp + 144);
-        const float d0 = LQ_AD[8 * b + 2 * m], d1 = LQ_AD[8 * b + 2 * m + 1];
-        const int p0 = LQ_AS[8 * b + 2 * m], p1 = LQ_AS[8 * b + 2 * m + 1];
-        const int s0 = lq_sum_lo(p0) + lq_sum_hi(p0), s1 = lq_sum_lo(p1) + lq_sum_hi(p1);
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const uint4 hh = h[it][e], a = qa[it][e], c = qb[it][e];
-            const unsigned sc = ((hs ? hh.w : hh.y) >> b0 & ma) | (hh.y >> (b0 + 2u) & mb);
-            const unsigned mn = ((hs ? hh.w : hh.z) >> sy & ma) | (hh.z >> (b0 + 2u) & mb);
-            const uint32_t q[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-            uint32_t lo[8], hi[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                lo[i] = q[i] & 0x0F0F0F0Fu;
-                hi[i] = q[i] & 0xF0F0F0F0u;
-            }
-            const float dd = ntx_h2f((uint16_t)(hh.x & 0xffffu)), dm = ntx_h2f((uint16_t)(hh.x >> 16));
-            const int hdot = lq_dot8u(hi, x1a, x1b);
-            const float t0 = dd * (float)((int)(sc & 0xffu) * lq_dot8(lo, x0a, x0b)) - dm * (float)((int)(mn & 0xffu) * s0);
-            const float t1 = dd * 0.0625f * (float)((int)(sc >> 8) * hdot) - dm * (float)((int)(mn >> 8) * s1);
-            r[e] += d0 * t0 + d1 * t1;
-        }
-    }
-    return make_float2(r[0], r[1]);
-}
-#endif
-
 // Rows oa and ob (two) or oa alone.
 __device__ __forceinline__ float2 lq_row_dot(int oa, int ob, bool two, int units, int pt, int wpr, int type) {
     if (NTX_LQ_PROBE == 1 || NTX_LQ_PROBE == 7) return make_float2(0.f, 0.f);
@@ -1027,11 +963,6 @@ __device__ __forceinline__ float2 lq_row_dot(int oa, int ob, bool two, int units
     return two ? lq_dot_q8_0<2>(oa, ob, units, pt, wpr) : lq_dot_q8_0<1>(oa, ob, units, pt, wpr);
 }
 
-// NTX_LQ_TAILW (a tuning build, default 0; docs/cuda.md session 31: prepared, not yet run on a GPU): lq_phase gives a
-// chunk of fewer items than its matrix's full chunks more warps an item.
-#ifndef NTX_LQ_TAILW
-#define NTX_LQ_TAILW 0
-#endif
 #ifndef NTX_LQ_CU
 #define NTX_LQ_CU 0  // layer_q8_ks.cu: 1 (Q8_0's gate/up and down chunks take these loops: 389.7 unrolled, 378.3 not)
 #endif
@@ -1112,15 +1043,8 @@ __device__ void lq_phase(const LqArgs& a, const LqMat* mt, int ph, const LqShare
         const LqMat m = mt[(w1 >> 16) & 0xffu];  // (a chunk crossing into the next matrix: the same type)
         // the chunk's items: row pairs (gate/up: gate row p with up row p; else, where a chunk has more rows than
         // a group warps, rows p and p + np) or single rows (m.pair 0), wpr warps an item
-        const int np = !m.pair ? n : per == 2 ? n : (n + 1) >> 1;
-        int lw = m.lw;
-#if NTX_LQ_TAILW
-        // (a block's last o rows, its 31st and 32nd): at most as many warps as a row's units give a pass each (64)
-        while ((2 << lw) * np <= LQ_GW && (64 << lw) < m.units) ++lw;
-#endif
-        const int wpr = 1 << lw, pt = wi & (wpr - 1);
-        bool rel = false;  // NTX_LQ_GUREL: the slot already released
-        for (int p = wi >> lw; p < np; p += LQ_GW >> lw) {
+        const int np = !m.pair ? n : per == 2 ? n : (n + 1) >> 1, wpr = 1 << m.lw, pt = wi & (wpr - 1);
+        for (int p = wi >> m.lw; p < np; p += LQ_GW >> m.lw) {
             const int ra = p, rb = per == 2 ? n + p : p + np;  // rows of the slot
             const bool two = m.pair && rb < per * n;
             // the rows' residual values (o, down) come into shared memory by cp.async, not into registers: a load
@@ -1135,19 +1059,7 @@ __device__ void lq_phase(const LqArgs& a, const LqMat* mt, int ph, const LqShare
                 asm volatile("cp.async.commit_group;" ::: "memory");
             }
             const int o = slot * LQ_SLOT;
-#if NTX_LQ_GUREL
-            // (this warp's last item of the chunk, whole rows of at most 4096 values: the slot released inside)
-            float2 t;
-            if (NTX_LQ_PROBE != 1 && NTX_LQ_PROBE != 7 && per == 2 && m.type == LQ_Q4_K && wpr == 1 && m.units <= 128 &&
-                p + LQ_GW >= np) {
-                t = lq_gu_dot_q4_k(o + ra * m.rb, o + rb * m.rb, m.units, lq_smem(s.empty + slot));
-                rel = true;
-            } else {
-                t = lq_row_dot(o + ra * m.rb, o + rb * m.rb, two, m.units, pt, wpr, m.type);
-            }
-#else
             float2 t = lq_row_dot(o + ra * m.rb, o + rb * m.rb, two, m.units, pt, wpr, m.type);
-#endif
             t.x = warp_sum(t.x);
             if (two) t.y = warp_sum(t.y);  // (the same in the whole warp: a second row's sum only where there is one)
             if (lane == 0) {
@@ -1188,7 +1100,7 @@ __device__ void lq_phase(const LqArgs& a, const LqMat* mt, int ph, const LqShare
             }
         }
         __syncwarp();
-        if (lane == 0 && !rel) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(s.empty + slot)) : "memory");
+        if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(lq_smem(s.empty + slot)) : "memory");
         if (n == 0) break;
     }
     if (wi == 0 && lane == 0) s.flag[4 + grp] = (int)i;

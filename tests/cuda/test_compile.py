@@ -382,12 +382,9 @@ def test_the_host_reads_a_tuning_macro_as_the_kernels_are_built_with_it(monkeypa
     assert cuda_nvrtc.define_value("NTX_FAST_MINB") is None
 
 
-# the stack kernel's tuning builds other than the default (layer_q8.cu), with the builds each changes: a short ring
-# chunk over more warps an item (docs/cuda.md session 31); a K-slice down chunk's slot released before its arithmetic
-# (session 32; the K-slice builds only), and a Q4_K gate/up chunk's
-STACK_VARIANTS = (("-DNTX_LQ_TAILW=1", ("layer_q8.cu", "layer_q8_ks.cu")),
-                  ("-DNTX_LQ_KSREL=1", ("layer_q8_ks.cu", "layer_q8_ks5.cu")),
-                  ("-DNTX_LQ_GUREL=1", ("layer_q8.cu", "layer_q8_ks.cu", "layer_q8_ks5.cu")))
+# the stack kernel's tuning builds other than the default (layer_q8.cu), with the builds each changes: a K-slice down
+# chunk's slot released before its arithmetic (docs/cuda.md session 32; the K-slice builds only)
+STACK_VARIANTS = (("-DNTX_LQ_KSREL=1", ("layer_q8_ks.cu", "layer_q8_ks5.cu")),)
 
 
 @pytest.mark.parametrize("defines, source", [(d, s) for d, sources in STACK_VARIANTS for s in sources])
