@@ -565,49 +565,34 @@ __device__ __forceinline__ void lq_issue(unsigned row, unsigned w1, unsigned lyr
     if (mat == 4) lq_copy(slot + bytes, reinterpret_cast<const uint8_t*>(lq_lds64(lyr + 40u)) + (size_t)row * rb, bytes, bar, pol);
 }
 
-// NTX_LQ_L2GU / NTX_LQ_L2DN (tuning builds, default 0): once its o rows' chunks are issued (the attention's wait for
-// q/k/v has passed; HBM then idles through the attention, its combine and the o rows), the producer asks L2 for the
-// block's first NTX_LQ_L2GU gate/up chunks and its first NTX_LQ_L2DN down chunks of the layer
-// (cp.async.bulk.prefetch.L2, default policy: the ring's own copies are evict-first, so the gate/up stream pushes out
-// its own lines first), and the ring's copies of them later read L2. A phase bound by HBM (the H100's gate/up and down
-// rows: ~21 and ~15 us a layer, the consumers alone ~14 and ~10) then has fewer bytes to wait for.
+// NTX_LQ_L2GU (a tuning build, default 0): once its o rows' chunks are issued (the attention's wait for q/k/v has
+// passed; HBM then idles through the attention, its combine and the o rows), the producer asks L2 for the block's first
+// NTX_LQ_L2GU gate/up chunks of the layer (cp.async.bulk.prefetch.L2), so the ring's copies of them later read L2: on
+// the H100 the gate/up rows are bound by HBM (~21 us a layer; ~14 without the copies on the H200, whose SM clock is the
+// same: session 22). The prefetches are evict-first, as the ring's copies (lq_policy): with the default policy
+// (session 33, H100) gate/up took 1.1 us less, but the q/k/v rows and the attention 1.1 and 1.8 us more (the code and
+// the activations they read from L2 pushed out, or their loads queued behind the prefetches).
 #ifndef NTX_LQ_L2GU
 #define NTX_LQ_L2GU 0
 #endif
-#ifndef NTX_LQ_L2DN
-#define NTX_LQ_L2DN 0
-#endif
-#if NTX_LQ_L2GU || NTX_LQ_L2DN
-__device__ __forceinline__ void lq_prefetch_l2(const uint8_t* src, unsigned bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
-// The chunks tab[c..nc) of the layer whose LqLayer sits at shared address lyr: the first NTX_LQ_L2GU of gate/up and
-// NTX_LQ_L2DN of down asked of L2 (gate/up: the gate rows from lane 0, the up rows from lane 1, or both from lane 0 in
-// the whole-row build; a K-slice chunk's row r from lane r, as lq_issue copies them). pl: the producer warp's lane.
+#if NTX_LQ_L2GU
+static_assert(NTX_LQ_EVICT_FIRST, "NTX_LQ_L2GU's prefetches take the ring's evict-first policy");
+// The chunks tab[c..nc) of the layer whose LqLayer sits at shared address lyr: the first NTX_LQ_L2GU of gate/up asked of
+// L2, the gate rows from lane 0 and the up rows from lane 1 (both from lane 0 in the whole-row build, whose producer is
+// lane 0 alone: pl 0). pl: the producer warp's lane.
 __device__ __noinline__ void lq_l2_ahead(unsigned tab, int c, int nc, unsigned lyr, const LqMat* mt, int pl) {
-    int ngu = 0, ndn = 0;
-    for (; c < nc && (ngu < NTX_LQ_L2GU || ndn < NTX_LQ_L2DN); ++c) {
+    const unsigned long long pol = lq_policy();
+    for (int n = 0; c < nc && n < NTX_LQ_L2GU; ++c) {
         unsigned row, w1;
         asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(row), "=r"(w1) : "r"(tab + 8u * (unsigned)c) : "memory");
-        const int ph = lq_chunk_ph(w1), n0 = (int)(w1 & 0xffffu), mat = (int)((w1 >> 16) & 0xffu);
-        if (ph == 2 && ngu < NTX_LQ_L2GU) {
-            ++ngu;
-            const int rb = mt[4].rb;
-            for (int e = 0; e < 2; ++e)  // (the whole-row build's producer is lane 0 alone: pl 0)
-                if (pl == (NTX_LQ_KS ? e : 0))
-                    lq_prefetch_l2(reinterpret_cast<const uint8_t*>(lq_lds64(lyr + 8u * (4u + (unsigned)e))) + (size_t)row * rb,
-                                   (unsigned)(n0 * rb));
-        } else if (ph == 3 && ndn < NTX_LQ_L2DN && n0 != 0) {
-            ++ndn;
-            const int rb = mt[6].rb;
-            const uint8_t* w = reinterpret_cast<const uint8_t*>(lq_lds64(lyr + 8u * 6u)) + (size_t)row * rb;
-            if (NTX_LQ_KS && mat == LQ_KSMAT) {
-                const int sb = mt[LQ_KSMAT].rb;
-                if (pl < n0) lq_prefetch_l2(w + (size_t)pl * rb + (w1 >> 24) * sb, (unsigned)sb);
-            } else if (pl == 0) {
-                lq_prefetch_l2(w, (unsigned)(n0 * rb));
-            }
-        }
+        if (lq_chunk_ph(w1) != 2) break;  // (c: the layer's first gate/up chunk; the down chunks after them)
+        ++n;
+        const unsigned bytes = (w1 & 0xffffu) * (unsigned)mt[4].rb;
+        for (int e = 0; e < 2; ++e)
+            if (pl == (NTX_LQ_KS ? e : 0))
+                asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;"
+                             ::"l"(reinterpret_cast<const uint8_t*>(lq_lds64(lyr + 8u * (4u + (unsigned)e))) + (size_t)row * mt[4].rb),
+                               "r"(bytes), "l"(pol) : "memory");
     }
 }
 #endif
@@ -1569,7 +1554,7 @@ __device__ void lq_step(const LqArgs& a) {
                         const LqChunk e = lq_chunk(a, ph, pool0 + (int)k * rpc, rpc);
                         put(layer, ph, e.row, lq_chunk_w1(e), false);
                     }
-#if NTX_LQ_L2GU || NTX_LQ_L2DN
+#if NTX_LQ_L2GU
                     if (ph == 1) lq_l2_ahead(tab, c, nc, lq_smem(s.layers + layer), mt, pl);
 #endif
                     for (int g = 0; g < LQ_GROUPS; ++g) put(layer, ph, 0u, 0u, true);  // each group's end of the phase
