@@ -383,7 +383,8 @@ def test_the_host_reads_a_tuning_macro_as_the_kernels_are_built_with_it(monkeypa
 
 
 # the stack kernel's tuning builds other than the default (layer_q8.cu), with the builds each changes: a K-slice down
-# chunk's slot released before its arithmetic (docs/cuda.md session 32; the K-slice builds only)
+# chunk's slot released before its arithmetic (docs/cuda.md session 32; the K-slice builds only), a layer's first
+# gate/up chunks asked of L2 during the attention (session 33)
 STACK_VARIANTS = (("-DNTX_LQ_KSREL=1", ("layer_q8_ks.cu", "layer_q8_ks5.cu")),
                   ("-DNTX_LQ_L2GU=8", ("layer_q8.cu", "layer_q8_ks.cu")))
 
