@@ -582,16 +582,17 @@ static_assert(NTX_LQ_EVICT_FIRST, "NTX_LQ_L2GU's prefetches take the ring's evic
 // lane 0 alone: pl 0). pl: the producer warp's lane.
 __device__ __noinline__ void lq_l2_ahead(unsigned tab, int c, int nc, unsigned lyr, const LqMat* mt, int pl) {
     const unsigned long long pol = lq_policy();
+    const int rb = mt[4].rb;  // (gate and up: one type, lq_issue's copies)
     for (int n = 0; c < nc && n < NTX_LQ_L2GU; ++c) {
         unsigned row, w1;
         asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(row), "=r"(w1) : "r"(tab + 8u * (unsigned)c) : "memory");
         if (lq_chunk_ph(w1) != 2) break;  // (c: the layer's first gate/up chunk; the down chunks after them)
         ++n;
-        const unsigned bytes = (w1 & 0xffffu) * (unsigned)mt[4].rb;
+        const unsigned bytes = (w1 & 0xffffu) * (unsigned)rb;
         for (int e = 0; e < 2; ++e)
             if (pl == (NTX_LQ_KS ? e : 0))
                 asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;"
-                             ::"l"(reinterpret_cast<const uint8_t*>(lq_lds64(lyr + 8u * (4u + (unsigned)e))) + (size_t)row * mt[4].rb),
+                             ::"l"(reinterpret_cast<const uint8_t*>(lq_lds64(lyr + 8u * (4u + (unsigned)e))) + (size_t)row * rb),
                                "r"(bytes), "l"(pol) : "memory");
     }
 }
